@@ -1,0 +1,1 @@
+"""Evaluation and reports. Installed as lightning_otel.eval."""

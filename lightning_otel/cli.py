@@ -1,0 +1,191 @@
+"""The `lightning-otel` command: parses arguments, calls the library, renders the result.
+
+Heavy modules are imported inside each command, so `lightning-otel --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from lightning_otel import __version__
+from lightning_otel.errors import UserError
+
+DEFAULT_DB = "traces.duckdb"
+FORMATS = ("table", "csv", "json", "parquet")
+
+
+def _add_db(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", type=Path, default=Path(DEFAULT_DB),
+                        help=f"DuckDB trace store file (default: {DEFAULT_DB})")
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store.collector import CollectorConfig, run_collector
+
+    config = CollectorConfig(db=args.db, host=args.host, port=args.port, token=args.token,
+                             max_body_bytes=args.max_body_bytes, max_pending_rows=args.max_pending_rows,
+                             memory_limit=args.memory_limit)
+    run_collector(config)
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store import client
+
+    table = client.query_arrow(args.query, args.db)
+    write_table(table, args.format, args.output)
+    return 0
+
+
+def write_table(table, fmt: str, output: Path | None) -> None:
+    """Render an Arrow table: a readable table for people, csv/json/parquet for scripts."""
+    import polars as pl
+
+    frame = pl.from_arrow(table)
+    if fmt == "parquet":
+        if output is None and sys.stdout.isatty():
+            raise UserError("parquet is binary: give --output FILE, or redirect stdout to a file")
+        frame.write_parquet(output or sys.stdout.buffer)
+        return
+    if fmt == "csv":
+        text = frame.write_csv()
+    elif fmt == "json":
+        text = frame.write_json() + "\n"
+    else:
+        with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=120, tbl_width_chars=200,
+                       tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
+            text = f"{frame}\n"
+    if output:
+        output.write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store import client
+
+    report = client.ingest_files(args.files, args.db)
+    print(f"stored {report.spans} spans and {report.logs} log records from {report.requests} requests"
+          + (f"; {report.rejected} rejected" if report.rejected else "")
+          + (f"; {report.skipped_metrics} metrics requests skipped (metrics are not stored)"
+             if report.skipped_metrics else ""))
+    for error in report.errors:
+        print(f"error: {error}", file=sys.stderr)
+    if report.errors:
+        print(f"{len(report.errors)} line(s) could not be loaded; the other lines were stored", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store.export import export_parquet
+
+    written = export_parquet(args.db, args.parquet, overwrite=args.overwrite)
+    for table, rows in written.items():
+        print(f"{table}: {rows} rows")
+    print(f"wrote {args.parquet}")
+    return 0
+
+
+def parse_date(text: str) -> int:
+    """A date or ISO timestamp (UTC unless it says otherwise) as ns since the epoch."""
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise UserError(f"--before {text!r} is not a date; use YYYY-MM-DD or an ISO timestamp") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp()) * 1_000_000_000 + moment.microsecond * 1000
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store import client
+
+    counts = client.prune(args.db, parse_date(args.before))
+    print(f"deleted {counts['spans']} spans and {counts['logs']} log records older than {args.before}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store.reference import schema_markdown
+
+    sys.stdout.write(schema_markdown())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-otel",
+        description="Train existing LLM agents with RL from their OpenTelemetry traces.")
+    parser.add_argument("--version", action="version", version=f"lightning-otel {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("collect", help="run the OTLP/HTTP collector that writes spans into a DuckDB file",
+                       description="Receive OTLP/HTTP traces and logs (protobuf or JSON, gzip) and write them "
+                                   "into one DuckDB file; serve read-only SQL to other commands.")
+    _add_db(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=4318, help="port (default: 4318, OTLP/HTTP's; 0 = any free)")
+    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on every request")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                   help="largest request body accepted, compressed or not (default: 32 MiB)")
+    p.add_argument("--max-pending-rows", type=int, default=200_000,
+                   help="rows waiting for a commit before senders are told to retry (503)")
+    p.add_argument("--memory-limit", default="2GB", help="DuckDB memory limit (default: 2GB)")
+    p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser("sql", help="run a read-only SQL query over the trace store",
+                       description="Run one read statement. Goes through the running collector when one "
+                                   "holds the file, else opens the file read-only.")
+    p.add_argument("query", help='e.g. "SELECT name, count(*) FROM spans GROUP BY name"')
+    _add_db(p)
+    p.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
+    p.add_argument("--output", type=Path, help="write to this file instead of stdout")
+    p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser("ingest", help="load OTLP/JSON files (OpenTelemetry Collector file exporter format)",
+                       description="Load files with one OTLP/JSON export request per line (.gz too).")
+    p.add_argument("files", nargs="+", type=Path, help="OTLP/JSON lines files")
+    _add_db(p)
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("export", help="write the store as Parquet, spans and logs partitioned by day")
+    _add_db(p)
+    p.add_argument("--parquet", type=Path, required=True, metavar="DIR", help="output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("prune", help="delete traces that ended before a date",
+                       description="Delete whole traces whose last span ended before DATE, and older logs.")
+    _add_db(p)
+    p.add_argument("--before", required=True, metavar="DATE", help="YYYY-MM-DD or ISO timestamp (UTC)")
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("schema", help="print the reference of every table, view and column (Markdown)")
+    p.add_argument("--markdown", action="store_true", help="Markdown output (the only format)")
+    p.set_defaults(func=cmd_schema)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Reading and feeding a store from outside the collector.
+
+Every function takes the DuckDB file path. When a live collector holds the file (found through
+`<db>.collector.json`) the work goes over its HTTP endpoints; otherwise the file is opened directly.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import orjson
+import polars as pl
+import pyarrow as pa
+
+from lightning_otel.errors import UserError
+from lightning_otel.span_store import discovery, otlp, store
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _request(info: discovery.CollectorInfo, path: str, body: bytes, content_type: str,
+             timeout: float = DEFAULT_TIMEOUT_S):
+    headers = {"Content-Type": content_type}
+    if info.token:
+        headers["Authorization"] = f"Bearer {info.token}"
+    req = urllib.request.Request(info.url + path, data=body, headers=headers, method="POST")
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode("utf-8", errors="replace")
+        try:
+            detail = json.loads(detail).get("message", detail)
+        except (ValueError, AttributeError):
+            pass
+        raise UserError(f"collector at {info.url} refused {path}: {detail}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+        raise UserError(f"cannot reach the collector at {info.url} (pid {info.pid}): {exc}") from None
+
+
+def record_batches(sql: str, db: Path | str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """Stream a read query's result as Arrow record batches, from the live collector or the file."""
+    info = discovery.find_collector(db)
+    if info is not None:
+        response = _request(info, "/v1/query", sql.encode(), "text/plain")
+        reader = pa.ipc.open_stream(response)
+        return reader.schema, iter(reader)
+    return _local_batches(sql, db)
+
+
+def _local_batches(sql: str, db: Path | str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    con = store.connect(db, read_only=True)
+    schema, batches = store.Reader(con).schema_and_batches(sql)
+
+    def closing() -> Iterator[pa.RecordBatch]:
+        try:
+            yield from batches
+        finally:
+            con.close()
+
+    return schema, closing()
+
+
+def query_arrow(sql: str, db: Path | str) -> pa.Table:
+    """Run one read statement and return an Arrow table."""
+    schema, batches = record_batches(sql, db)
+    return pa.Table.from_batches(list(batches), schema=schema)
+
+
+def query(sql: str, db: Path | str) -> pl.DataFrame:
+    """Run one read statement and return a Polars DataFrame.
+
+    >>> query("SELECT name, count(*) AS n FROM spans GROUP BY name", db="traces.duckdb")
+    """
+    return pl.from_arrow(query_arrow(sql, db))  # type: ignore[return-value]
+
+
+@contextmanager
+def _writable(db: Path | str):
+    """A read-write connection for commands that run with no collector on the file."""
+    con = store.connect(db)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+# ---- ingest OTLP JSON files (OpenTelemetry Collector file exporter format) ---------------------------
+
+@dataclass
+class IngestReport:
+    requests: int = 0
+    spans: int = 0
+    logs: int = 0
+    rejected: int = 0
+    skipped_metrics: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _open_lines(path: Path) -> Iterator[bytes]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        yield from fh
+
+
+def _signal_of(doc: dict) -> str | None:
+    if "resourceSpans" in doc or "resource_spans" in doc:
+        return "traces"
+    if "resourceLogs" in doc or "resource_logs" in doc:
+        return "logs"
+    if "resourceMetrics" in doc or "resource_metrics" in doc:
+        return "metrics"
+    return None
+
+
+def ingest_files(paths: list[Path], db: Path | str) -> IngestReport:
+    """Load OTLP/JSON lines files. A bad line is reported by file and line number; the others are stored."""
+    report = IngestReport()
+    info = discovery.find_collector(db)
+    if info is None:
+        with _writable(db) as con:
+            _ingest(paths, report, lambda kind, line, table: _insert_local(con, kind, table))
+    else:
+        _ingest(paths, report, lambda kind, line, table: _post_line(info, kind, line))
+    return report
+
+
+def _insert_local(con, kind: str, table: pa.Table) -> None:
+    con.execute("BEGIN TRANSACTION")
+    store.insert_batch(con, kind, table)
+    con.execute("COMMIT")
+
+
+def _post_line(info: discovery.CollectorInfo, kind: str, line: bytes) -> None:
+    _request(info, f"/v1/{kind}", line, "application/json").read()
+
+
+def _ingest(paths: list[Path], report: IngestReport, send) -> None:
+    for path in paths:
+        if not path.is_file():
+            raise UserError(f"{path}: no such file")
+        for number, line in enumerate(_open_lines(path), start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                doc = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                report.errors.append(f"{where}: not JSON ({exc})")
+                continue
+            if not isinstance(doc, dict) or _signal_of(doc) is None:
+                report.errors.append(f"{where}: not an OTLP export request (no resourceSpans/resourceLogs)")
+                continue
+            kind = _signal_of(doc)
+            if kind == "metrics":
+                report.skipped_metrics += 1
+                continue
+            try:
+                decoded = otlp.DECODERS[(kind, "json")](doc)
+            except otlp.DecodeFailure as exc:
+                report.errors.append(f"{where}: {exc}")
+                continue
+            send(kind, line, decoded.table)
+            report.requests += 1
+            report.rejected += decoded.rejected
+            if kind == "traces":
+                report.spans += decoded.table.num_rows
+            else:
+                report.logs += decoded.table.num_rows
+
+
+# ---- prune ------------------------------------------------------------------------------------------
+
+def prune(db: Path | str, before_ns: int) -> dict[str, int]:
+    info = discovery.find_collector(db)
+    if info is not None:
+        response = _request(info, "/v1/prune", orjson.dumps({"before_ns": before_ns}), "application/json")
+        return orjson.loads(response.read())
+    with _writable(db) as con:
+        counts = store.prune(con, before_ns)
+        con.execute("CHECKPOINT")
+        return counts

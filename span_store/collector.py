@@ -1,0 +1,410 @@
+"""The collector: OTLP/HTTP in, DuckDB out, and read-only SQL for everybody else.
+
+Endpoints
+  POST /v1/traces, /v1/logs   OTLP/HTTP, protobuf or JSON, optionally gzip/deflate (OTLP spec responses)
+  POST /v1/query              body: one read statement; answer: Arrow IPC stream
+  POST /v1/prune              body: {"before_ns": int}; answer: JSON counts
+  GET  /health                JSON: pid, db, rows written
+
+Run it with `lightning-otel collect --db traces.duckdb`. It is the only process that holds the file.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+from google.rpc import status_pb2
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+import lightning_otel
+from lightning_otel.errors import UserError
+from lightning_otel.span_store import discovery, otlp, store
+from lightning_otel.span_store.writer import BatchWriter, Busy
+
+log = logging.getLogger(__name__)
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+SIGNALS = {"/v1/traces": "traces", "/v1/logs": "logs"}
+
+
+@dataclass
+class CollectorConfig:
+    db: Path
+    host: str = "127.0.0.1"
+    port: int = 4318
+    token: str | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_pending_rows: int = 200_000
+    max_inflight_requests: int = 32
+    retry_after_s: int = 1
+    query_timeout_s: float = 120.0
+    memory_limit: str = "2GB"
+
+    def __post_init__(self) -> None:
+        self.db = Path(self.db)
+        if not 0 <= self.port <= 65535:
+            raise UserError(f"--port {self.port} is not a TCP port (0-65535; 0 picks a free one)")
+        if self.max_body_bytes < 1024:
+            raise UserError(f"--max-body-bytes {self.max_body_bytes} is too small (at least 1024)")
+        if self.max_pending_rows < 1 or self.max_inflight_requests < 1:
+            raise UserError("max_pending_rows and max_inflight_requests must be positive")
+        if self.token == "":
+            raise UserError("--token is empty: give a token, or leave it out to accept requests without one")
+
+
+class RequestError(Exception):
+    def __init__(self, status: HTTPStatus, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+def _media_type(header: str | None) -> str:
+    return (header or "").split(";", 1)[0].strip().lower()
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                           f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"body is not valid {encoding} data: {exc}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                           f"body is over the {limit}-byte limit once decompressed; send smaller batches")
+    if not inflater.eof:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"body is truncated {encoding} data")
+    return out
+
+
+class Collector:
+    """Owns the DuckDB file, the writer thread and the HTTP server."""
+
+    def __init__(self, config: CollectorConfig):
+        self.config = config
+        self.db = config.db.absolute()
+        self._claim_discovery_file()
+        self.con = store.connect(self.db, memory_limit=config.memory_limit)
+        self.writer = BatchWriter(self.con, config.max_pending_rows)
+        self.reader = store.Reader(self.con, timeout_s=config.query_timeout_s)
+        self._inflight = threading.BoundedSemaphore(config.max_inflight_requests)
+        try:
+            self.server = _Server((config.host, config.port), _Handler, self)
+        except OSError as exc:
+            self.con.close()
+            raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; "
+                            f"pick another --port (0 picks a free one)") from None
+        self.port = self.server.server_address[1]
+        self.info = discovery.CollectorInfo(pid=os.getpid(), host=config.host, port=self.port,
+                                            token=config.token, db=str(self.db),
+                                            version=lightning_otel.__version__)
+        self._serving = threading.Event()
+        self.busy_answers = 0
+
+    def _claim_discovery_file(self) -> None:
+        holder = discovery.find_collector(self.db)
+        if holder is not None:
+            raise UserError(f"a collector (pid {holder.pid}, {holder.url}) already holds {self.db}; "
+                            f"send to that one, or stop it first")
+
+    @property
+    def url(self) -> str:
+        return self.info.url
+
+    def start(self) -> None:
+        """Serve in a background thread (tests, and commands that host the collector in-process)."""
+        self.writer.start()
+        discovery.write_info(self.db, self.info)
+        thread = threading.Thread(target=self.server.serve_forever, name="collector-http", daemon=True)
+        thread.start()
+        self._serving.set()
+
+    def serve_forever(self) -> None:
+        """Serve until SIGINT/SIGTERM, then write what is queued and release the file."""
+        self.writer.start()
+        discovery.write_info(self.db, self.info)
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: Any) -> None:
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        thread = threading.Thread(target=self.server.serve_forever, name="collector-http", daemon=True)
+        thread.start()
+        self._serving.set()
+        log.info("collector listening on %s, writing %s", self.url, self.db)
+        while not stop.wait(0.5):
+            pass
+        self.close()
+
+    def close(self) -> None:
+        if self._serving.is_set():
+            self.server.shutdown()
+        self.server.server_close()
+        self.writer.stop()
+        try:
+            self.con.execute("CHECKPOINT")
+        finally:
+            self.con.close()
+            discovery.remove_info(self.db, os.getpid())
+
+    # ---- request handling (called from handler threads) --------------------------------------------
+
+    def authorize(self, header: str | None) -> None:
+        if self.config.token is None:
+            return
+        expected = f"Bearer {self.config.token}"
+        if header is None or not hmac.compare_digest(header.strip().encode(), expected.encode()):
+            raise RequestError(HTTPStatus.UNAUTHORIZED,
+                               "missing or wrong token: send the header 'Authorization: Bearer <token>' "
+                               "(OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<token>)")
+
+    def ingest(self, signal_name: str, encoding: str, body: bytes) -> otlp.Decoded:
+        decoder = otlp.DECODERS[(signal_name, encoding)]
+        try:
+            decoded = decoder(body)
+        except otlp.DecodeFailure as exc:
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        if decoded.table.num_rows:
+            try:
+                pending = self.writer.submit(signal_name, decoded.table)
+            except Busy as exc:
+                self.busy_answers += 1
+                raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"collector is busy ({exc}); retry shortly",
+                                   retry_after=self.config.retry_after_s) from None
+            pending.done.wait()
+            if pending.error is not None:
+                raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE,
+                                   f"the store could not commit this batch ({pending.error}); retry",
+                                   retry_after=self.config.retry_after_s)
+        return decoded
+
+    def prune(self, before_ns: int) -> dict[str, int]:
+        return self.writer.run_exclusive(lambda con: store.prune(con, before_ns))  # type: ignore[return-value]
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", **asdict(self.info), "token": None,
+                "committed_rows": self.writer.committed_rows, "commits": self.writer.commits,
+                "busy_answers": self.busy_answers}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type, collector: Collector):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.collector = collector
+        super().__init__(address, handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+    server_version = f"lightning-otel/{lightning_otel.__version__}"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("%s %s", self.address_string(), format % args)
+
+    # -- plumbing --
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _send_error(self, err: RequestError, as_protobuf: bool) -> None:
+        headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+        if as_protobuf:
+            body = status_pb2.Status(code=_grpc_code(err.status), message=err.message).SerializeToString()
+            self._send(err.status, body, "application/x-protobuf", headers)
+        else:
+            body = orjson.dumps({"code": _grpc_code(err.status), "message": err.message})
+            self._send(err.status, body, "application/json", headers)
+
+    def _read_body(self) -> bytes:
+        self._body_consumed = True
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            self.close_connection = True
+            raise RequestError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length")
+        length_header = self.headers.get("Content-Length")
+        if length_header is None:
+            self.close_connection = True
+            raise RequestError(HTTPStatus.LENGTH_REQUIRED, "Content-Length header is required")
+        try:
+            length = int(length_header)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"Content-Length {length_header!r} is not a size") from None
+        limit = self.server.collector.config.max_body_bytes
+        if length > limit:
+            # Not reading a huge body means the connection cannot be reused.
+            self.close_connection = True
+            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                               f"body of {length} bytes is over the {limit}-byte limit; send smaller batches "
+                               f"(BatchSpanProcessor max_export_batch_size) or raise --max-body-bytes")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            self.close_connection = True
+            raise RequestError(HTTPStatus.BAD_REQUEST, "body ended before Content-Length bytes arrived")
+        return _decompress(body, self.headers.get("Content-Encoding", ""), limit)
+
+    # -- routes --
+    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+        self._body_consumed = False
+        path = self.path.split("?", 1)[0]
+        as_protobuf = _media_type(self.headers.get("Content-Type")) == "application/x-protobuf"
+        collector = self.server.collector
+        if not collector._inflight.acquire(blocking=False):
+            collector.busy_answers += 1
+            self.close_connection = True
+            return self._send_error(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "too many requests in flight",
+                                                 retry_after=collector.config.retry_after_s), as_protobuf)
+        try:
+            collector.authorize(self.headers.get("Authorization"))
+            if path in SIGNALS:
+                return self._post_signal(SIGNALS[path], as_protobuf)
+            if path == "/v1/query":
+                return self._post_query()
+            if path == "/v1/prune":
+                return self._post_prune()
+            raise RequestError(HTTPStatus.NOT_FOUND,
+                               f"no endpoint POST {path}; OTLP goes to /v1/traces or /v1/logs")
+        except RequestError as err:
+            self._drain()
+            self._send_error(err, as_protobuf)
+        except UserError as err:
+            self._drain()
+            self._send_error(RequestError(HTTPStatus.BAD_REQUEST, str(err)), as_protobuf)
+        except Exception as exc:  # noqa: BLE001 - a handler bug must not take the server down
+            log.exception("unexpected error on POST %s", path)
+            self.close_connection = True
+            self._send_error(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc}"), as_protobuf)
+        finally:
+            collector._inflight.release()
+
+    def _drain(self) -> None:
+        """Read an unread body so the connection stays usable, but never more than the limit."""
+        if getattr(self, "_body_consumed", False):
+            return
+        self._body_consumed = True
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = 0
+        if 0 < length <= self.server.collector.config.max_body_bytes:
+            self.rfile.read(length)
+        elif length:
+            self.close_connection = True
+
+    def do_GET(self) -> None:  # noqa: N802
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            return self._send(200, orjson.dumps(self.server.collector.health()), "application/json")
+        self._send_error(RequestError(HTTPStatus.NOT_FOUND if path not in SIGNALS else HTTPStatus.METHOD_NOT_ALLOWED,
+                                      f"no endpoint GET {path}"), False)
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._body_consumed = False
+        self._drain()
+        self._send_error(RequestError(HTTPStatus.METHOD_NOT_ALLOWED, "use POST"), False)
+
+    do_DELETE = do_PATCH = do_PUT  # noqa: N815
+
+    def _post_signal(self, signal_name: str, as_protobuf: bool) -> None:
+        media = _media_type(self.headers.get("Content-Type"))
+        if media not in ("application/x-protobuf", "application/json"):
+            raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                               f"Content-Type {media or '(none)'!r} is not OTLP; "
+                               f"use application/x-protobuf or application/json")
+        body = self._read_body()
+        decoded = self.server.collector.ingest(signal_name, "protobuf" if as_protobuf else "json", body)
+        self._send_ok(signal_name, as_protobuf, decoded)
+
+    def _send_ok(self, signal_name: str, as_protobuf: bool, decoded: otlp.Decoded) -> None:
+        response_type = ExportTraceServiceResponse if signal_name == "traces" else ExportLogsServiceResponse
+        response = response_type()
+        if decoded.rejected:
+            partial = response.partial_success
+            if signal_name == "traces":
+                partial.rejected_spans = decoded.rejected
+            else:
+                partial.rejected_log_records = decoded.rejected
+            partial.error_message = decoded.error_message
+        if as_protobuf:
+            return self._send(200, response.SerializeToString(), "application/x-protobuf")
+        payload: dict[str, Any] = {}
+        if decoded.rejected:
+            key = "rejectedSpans" if signal_name == "traces" else "rejectedLogRecords"
+            payload["partialSuccess"] = {key: str(decoded.rejected), "errorMessage": decoded.error_message}
+        self._send(200, orjson.dumps(payload), "application/json")
+
+    def _post_query(self) -> None:
+        sql = self._read_body().decode("utf-8", errors="replace")
+        if _media_type(self.headers.get("Content-Type")) == "application/json":
+            try:
+                sql = orjson.loads(sql)["sql"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                raise RequestError(HTTPStatus.BAD_REQUEST, 'a JSON query body must be {"sql": "SELECT ..."}') from None
+        schema, batches = self.server.collector.reader.schema_and_batches(sql)
+        # Streamed: the length is unknown up front, so the connection ends with the result.
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", ARROW_STREAM)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        with pa.ipc.new_stream(self.wfile, schema) as writer:
+            for batch in batches:
+                writer.write_batch(batch)
+
+    def _post_prune(self) -> None:
+        try:
+            before_ns = int(orjson.loads(self._read_body())["before_ns"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise RequestError(HTTPStatus.BAD_REQUEST, 'prune body must be {"before_ns": <int>}') from None
+        self._send(200, orjson.dumps(self.server.collector.prune(before_ns)), "application/json")
+
+
+def _grpc_code(status: int) -> int:
+    """google.rpc.Code for an HTTP status, as OTLP/HTTP error bodies carry it."""
+    return {400: 3, 401: 16, 403: 7, 404: 5, 405: 12, 411: 3, 413: 3, 415: 3, 429: 8, 503: 14}.get(int(status), 13)
+
+
+def run_collector(config: CollectorConfig) -> None:
+    collector = Collector(config)
+    print(f"lightning-otel collector on {collector.url} -> {collector.db} (pid {os.getpid()})", flush=True)
+    started = time.monotonic()
+    collector.serve_forever()
+    log.info("collector stopped after %.0f s, %d rows written", time.monotonic() - started,
+             collector.writer.committed_rows)

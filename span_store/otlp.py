@@ -1,0 +1,480 @@
+"""Decode OTLP/HTTP export requests (protobuf or JSON) into Arrow tables shaped like the store's tables.
+
+Both encodings go through the same row builders, so a span sent once as protobuf and again as JSON
+becomes the same row (the store keeps it once, keyed by trace id and span id).
+
+OTLP/JSON differs from the generic proto3 JSON mapping (see the OTLP specification): trace and span
+ids are hex strings, enums are integers, 64-bit integers may be strings, keys are lowerCamelCase
+(snake_case is accepted too), unknown keys are ignored.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import orjson
+import pyarrow as pa
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+
+class DecodeFailure(ValueError):
+    """The request body is not a valid OTLP export request; nothing of it may be stored."""
+
+
+SPAN_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
+STATUS_CODES = ("UNSET", "OK", "ERROR")
+
+ROLLOUT_ID_KEY = "lightning.rollout.id"
+TASK_ID_KEY = "lightning.task.id"
+ATTEMPT_KEY = "lightning.attempt"
+
+SPAN_SCHEMA = pa.schema([
+    ("trace_id", pa.string()), ("span_id", pa.string()), ("parent_span_id", pa.string()),
+    ("trace_state", pa.string()), ("flags", pa.int64()),
+    ("name", pa.string()), ("kind", pa.string()),
+    ("start_ns", pa.int64()), ("end_ns", pa.int64()),
+    ("status_code", pa.string()), ("status_message", pa.string()),
+    ("attributes", pa.string()), ("resource", pa.string()),
+    ("scope_name", pa.string()), ("scope_version", pa.string()),
+    ("events", pa.string()), ("links", pa.string()),
+    ("service_name", pa.string()), ("rollout_id", pa.string()), ("task_id", pa.string()),
+    ("attempt", pa.int64()), ("operation_name", pa.string()),
+    ("request_model", pa.string()), ("response_model", pa.string()),
+    ("input_tokens", pa.int64()), ("output_tokens", pa.int64()),
+    ("received_ns", pa.int64()),
+])
+
+LOG_SCHEMA = pa.schema([
+    ("log_id", pa.string()), ("time_ns", pa.int64()), ("observed_ns", pa.int64()),
+    ("severity_number", pa.int64()), ("severity_text", pa.string()), ("event_name", pa.string()),
+    ("body", pa.string()), ("attributes", pa.string()), ("resource", pa.string()),
+    ("scope_name", pa.string()), ("scope_version", pa.string()),
+    ("trace_id", pa.string()), ("span_id", pa.string()), ("flags", pa.int64()),
+    ("service_name", pa.string()), ("rollout_id", pa.string()), ("task_id", pa.string()),
+    ("attempt", pa.int64()), ("received_ns", pa.int64()),
+])
+
+INT64_MAX = 2**63 - 1
+
+
+@dataclass
+class Decoded:
+    """What one export request yields: rows to store and the parts it rejected (OTLP partial success)."""
+
+    table: pa.Table
+    rejected: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def error_message(self) -> str:
+        shown = self.errors[:3]
+        more = f" (and {len(self.errors) - 3} more)" if len(self.errors) > 3 else ""
+        return "; ".join(shown) + more
+
+
+def _dumps(value: Any) -> str:
+    # NaN and infinities have no JSON form; orjson writes them as null.
+    return orjson.dumps(value).decode()
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return None
+    return number if -INT64_MAX - 1 <= number <= INT64_MAX else None
+
+
+def _as_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _clamp_ns(value: int) -> int:
+    # fixed64 timestamps above int64 are nonsense (after year 2262); keep the row, clamp the field.
+    return value if value <= INT64_MAX else INT64_MAX
+
+
+# ---- protobuf AnyValue -----------------------------------------------------------------------------
+
+def _pb_value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind == "array_value":
+        return [_pb_value(item) for item in value.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: _pb_value(kv.value) for kv in value.kvlist_value.values}
+    if kind == "bytes_value":
+        return base64.b64encode(value.bytes_value).decode()
+    return getattr(value, kind)
+
+
+def _pb_attrs(key_values: Any) -> dict[str, Any]:
+    return {kv.key: _pb_value(kv.value) for kv in key_values}
+
+
+# ---- JSON AnyValue ---------------------------------------------------------------------------------
+
+def _get(obj: dict, camel: str, snake: str | None = None, default: Any = None) -> Any:
+    if camel in obj:
+        return obj[camel]
+    if snake is not None and snake in obj:
+        return obj[snake]
+    return default
+
+
+def _js_value(value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise DecodeFailure(f"an attribute value must be an AnyValue object, got {type(value).__name__}")
+    for key, snake in (("stringValue", "string_value"), ("boolValue", "bool_value")):
+        if key in value or snake in value:
+            return _get(value, key, snake)
+    if "intValue" in value or "int_value" in value:
+        number = _as_int(_get(value, "intValue", "int_value"))
+        if number is None:
+            raise DecodeFailure(f"intValue {_get(value, 'intValue', 'int_value')!r} is not a 64-bit integer")
+        return number
+    if "doubleValue" in value or "double_value" in value:
+        raw = _get(value, "doubleValue", "double_value")
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise DecodeFailure(f"doubleValue {raw!r} is not a number") from None
+    if "arrayValue" in value or "array_value" in value:
+        items = _get(_get(value, "arrayValue", "array_value") or {}, "values", default=[]) or []
+        return [_js_value(item) for item in items]
+    if "kvlistValue" in value or "kvlist_value" in value:
+        return _js_attrs(_get(_get(value, "kvlistValue", "kvlist_value") or {}, "values", default=[]))
+    if "bytesValue" in value or "bytes_value" in value:
+        return _get(value, "bytesValue", "bytes_value")
+    return None
+
+
+def _js_attrs(key_values: Any) -> dict[str, Any]:
+    if key_values is None:
+        return {}
+    if not isinstance(key_values, list):
+        raise DecodeFailure("attributes must be a list of {key, value} objects")
+    out = {}
+    for kv in key_values:
+        if not isinstance(kv, dict) or not isinstance(kv.get("key"), str):
+            raise DecodeFailure("each attribute must be an object with a string 'key'")
+        out[kv["key"]] = _js_value(kv.get("value", {}))
+    return out
+
+
+def _js_hex_id(value: Any, what: str) -> str:
+    if value in (None, ""):
+        return ""
+    if not isinstance(value, str):
+        raise DecodeFailure(f"{what} must be a hex string, got {type(value).__name__}")
+    return value.lower()
+
+
+def _js_list(obj: dict, camel: str, snake: str, what: str) -> list:
+    items = _get(obj, camel, snake, default=[])
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise DecodeFailure(f"'{camel}' in {what} must be a list")
+    for item in items:
+        if not isinstance(item, dict):
+            raise DecodeFailure(f"each entry of '{camel}' in {what} must be an object")
+    return items
+
+
+def _js_enum(value: Any, names: tuple[str, ...], prefix: str, what: str) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        short = value.upper().removeprefix(prefix)
+        if short in names:
+            return names.index(short)
+        number = _as_int(value)
+        if number is not None:
+            return number
+    raise DecodeFailure(f"{what} {value!r} is not a valid enum value")
+
+
+def _js_time(value: Any, what: str) -> int:
+    if value in (None, ""):
+        return 0
+    number = _as_int(value) if not isinstance(value, float) else int(value)
+    if number is None:
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise DecodeFailure(f"{what} {value!r} is not an integer number of nanoseconds") from None
+        number = _clamp_ns(number)
+    if number < 0:
+        raise DecodeFailure(f"{what} {value!r} is negative")
+    return number
+
+
+# ---- shared row building ---------------------------------------------------------------------------
+
+def _valid_id(hex_id: str, length: int) -> bool:
+    if len(hex_id) != length or hex_id == "0" * length:
+        return False
+    try:
+        int(hex_id, 16)
+    except ValueError:
+        return False
+    return True
+
+
+class _ResourceContext:
+    """Resource-level values every span of a ResourceSpans shares."""
+
+    __slots__ = ("resource", "resource_json", "service_name", "rollout_id", "task_id", "attempt")
+
+    def __init__(self, resource: dict[str, Any]):
+        self.resource = resource
+        self.resource_json = _dumps(resource)
+        self.service_name = _as_str(resource.get("service.name"))
+        self.rollout_id = _as_str(resource.get(ROLLOUT_ID_KEY))
+        self.task_id = _as_str(resource.get(TASK_ID_KEY))
+        self.attempt = _as_int(resource.get(ATTEMPT_KEY))
+
+
+class _SpanColumns:
+    def __init__(self) -> None:
+        self.columns: dict[str, list] = {name: [] for name in SPAN_SCHEMA.names}
+        self.rejected = 0
+        self.errors: list[str] = []
+        self.received_ns = time.time_ns()
+
+    def reject(self, reason: str) -> None:
+        self.rejected += 1
+        if len(self.errors) < 20:
+            self.errors.append(reason)
+
+    def add(self, trace_id: str, span_id: str, parent: str, trace_state: str, flags: int, name: str,
+            kind: int, start: int, end: int, status_code: int, status_message: str,
+            attrs: dict[str, Any], res: _ResourceContext, scope_name: str, scope_version: str,
+            events: list, links: list) -> None:
+        if not _valid_id(trace_id, 32):
+            self.reject(f"span {name!r}: trace id {trace_id!r} is not 16 non-zero bytes")
+            return
+        if not _valid_id(span_id, 16):
+            self.reject(f"span {name!r}: span id {span_id!r} is not 8 non-zero bytes")
+            return
+        c = self.columns
+        c["trace_id"].append(trace_id)
+        c["span_id"].append(span_id)
+        c["parent_span_id"].append(parent or None)
+        c["trace_state"].append(trace_state or None)
+        c["flags"].append(flags)
+        c["name"].append(name)
+        c["kind"].append(SPAN_KINDS[kind] if 0 <= kind < len(SPAN_KINDS) else str(kind))
+        c["start_ns"].append(_clamp_ns(start))
+        c["end_ns"].append(_clamp_ns(end))
+        c["status_code"].append(STATUS_CODES[status_code] if 0 <= status_code < 3 else str(status_code))
+        c["status_message"].append(status_message or None)
+        c["attributes"].append(_dumps(attrs))
+        c["resource"].append(res.resource_json)
+        c["scope_name"].append(scope_name or None)
+        c["scope_version"].append(scope_version or None)
+        c["events"].append(_dumps(events) if events else None)
+        c["links"].append(_dumps(links) if links else None)
+        c["service_name"].append(res.service_name)
+        get = attrs.get
+        rollout = get(ROLLOUT_ID_KEY)
+        c["rollout_id"].append(res.rollout_id if rollout is None else str(rollout))
+        task = get(TASK_ID_KEY)
+        c["task_id"].append(res.task_id if task is None else str(task))
+        attempt = get(ATTEMPT_KEY)
+        c["attempt"].append(res.attempt if attempt is None else _as_int(attempt))
+        c["operation_name"].append(_as_str(get("gen_ai.operation.name", get("llm.request.type"))))
+        c["request_model"].append(_as_str(get("gen_ai.request.model")))
+        c["response_model"].append(_as_str(get("gen_ai.response.model")))
+        c["input_tokens"].append(_as_int(get("gen_ai.usage.input_tokens", get("gen_ai.usage.prompt_tokens"))))
+        c["output_tokens"].append(
+            _as_int(get("gen_ai.usage.output_tokens", get("gen_ai.usage.completion_tokens"))))
+        c["received_ns"].append(self.received_ns)
+
+    def result(self) -> Decoded:
+        table = pa.Table.from_pydict(self.columns, schema=SPAN_SCHEMA)
+        return Decoded(table, self.rejected, self.errors)
+
+
+# ---- traces ----------------------------------------------------------------------------------------
+
+def decode_traces_protobuf(body: bytes) -> Decoded:
+    request = ExportTraceServiceRequest()
+    try:
+        request.ParseFromString(body)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise DecodeFailure(f"body is not a protobuf ExportTraceServiceRequest: {exc}") from None
+    out = _SpanColumns()
+    for resource_spans in request.resource_spans:
+        res = _ResourceContext(_pb_attrs(resource_spans.resource.attributes))
+        for scope_spans in resource_spans.scope_spans:
+            scope = scope_spans.scope
+            for s in scope_spans.spans:
+                events = [{"time_ns": e.time_unix_nano, "name": e.name, "attributes": _pb_attrs(e.attributes)}
+                          for e in s.events]
+                links = [{"trace_id": ln.trace_id.hex(), "span_id": ln.span_id.hex(),
+                          "trace_state": ln.trace_state, "attributes": _pb_attrs(ln.attributes)}
+                         for ln in s.links]
+                out.add(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.trace_state, s.flags,
+                        s.name, s.kind, s.start_time_unix_nano, s.end_time_unix_nano, s.status.code,
+                        s.status.message, _pb_attrs(s.attributes), res, scope.name, scope.version,
+                        events, links)
+    return out.result()
+
+
+def _parse_json(body: bytes, what: str) -> dict:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeFailure(f"body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise DecodeFailure(f"body must be a JSON object ({what}), got {type(doc).__name__}")
+    return doc
+
+
+def _js_scope(scope_block: dict) -> tuple[str, str]:
+    scope = _get(scope_block, "scope", default={}) or {}
+    if not isinstance(scope, dict):
+        raise DecodeFailure("'scope' must be an object")
+    return str(scope.get("name") or ""), str(scope.get("version") or "")
+
+
+def _js_resource(block: dict) -> _ResourceContext:
+    resource = _get(block, "resource", default={}) or {}
+    if not isinstance(resource, dict):
+        raise DecodeFailure("'resource' must be an object")
+    return _ResourceContext(_js_attrs(resource.get("attributes")))
+
+
+def decode_traces_json(body: bytes | dict) -> Decoded:
+    doc = body if isinstance(body, dict) else _parse_json(body, "an ExportTraceServiceRequest")
+    out = _SpanColumns()
+    for block in _js_list(doc, "resourceSpans", "resource_spans", "the request"):
+        res = _js_resource(block)
+        for scope_block in _js_list(block, "scopeSpans", "scope_spans", "resourceSpans"):
+            scope_name, scope_version = _js_scope(scope_block)
+            for s in _js_list(scope_block, "spans", "spans", "scopeSpans"):
+                status = _get(s, "status", default={}) or {}
+                if not isinstance(status, dict):
+                    raise DecodeFailure("span 'status' must be an object")
+                events = [{"time_ns": _js_time(_get(e, "timeUnixNano", "time_unix_nano"), "event time"),
+                           "name": str(e.get("name") or ""),
+                           "attributes": _js_attrs(e.get("attributes"))}
+                          for e in _js_list(s, "events", "events", "a span")]
+                links = [{"trace_id": _js_hex_id(_get(ln, "traceId", "trace_id"), "link traceId"),
+                          "span_id": _js_hex_id(_get(ln, "spanId", "span_id"), "link spanId"),
+                          "trace_state": str(_get(ln, "traceState", "trace_state") or ""),
+                          "attributes": _js_attrs(ln.get("attributes"))}
+                         for ln in _js_list(s, "links", "links", "a span")]
+                out.add(_js_hex_id(_get(s, "traceId", "trace_id"), "traceId"),
+                        _js_hex_id(_get(s, "spanId", "span_id"), "spanId"),
+                        _js_hex_id(_get(s, "parentSpanId", "parent_span_id"), "parentSpanId"),
+                        str(_get(s, "traceState", "trace_state") or ""),
+                        _as_int(s.get("flags")) or 0,
+                        str(s.get("name") or ""),
+                        _js_enum(s.get("kind"), SPAN_KINDS, "SPAN_KIND_", "span kind"),
+                        _js_time(_get(s, "startTimeUnixNano", "start_time_unix_nano"), "startTimeUnixNano"),
+                        _js_time(_get(s, "endTimeUnixNano", "end_time_unix_nano"), "endTimeUnixNano"),
+                        _js_enum(status.get("code"), STATUS_CODES, "STATUS_CODE_", "status code"),
+                        str(status.get("message") or ""),
+                        _js_attrs(s.get("attributes")), res, scope_name, scope_version, events, links)
+    return out.result()
+
+
+# ---- logs ------------------------------------------------------------------------------------------
+
+class _LogColumns:
+    def __init__(self) -> None:
+        self.columns: dict[str, list] = {name: [] for name in LOG_SCHEMA.names}
+        self.received_ns = time.time_ns()
+
+    def add(self, time_ns: int, observed_ns: int, severity_number: int, severity_text: str, event_name: str,
+            body: Any, attrs: dict[str, Any], res: _ResourceContext, scope_name: str, scope_version: str,
+            trace_id: str, span_id: str, flags: int) -> None:
+        c = self.columns
+        body_json = _dumps(body)
+        attrs_json = _dumps(attrs)
+        # Log records carry no id of their own; a content hash lets a retried export be stored once.
+        identity = "\x1f".join((str(time_ns), str(observed_ns), trace_id, span_id, str(severity_number),
+                                event_name, body_json, attrs_json, res.resource_json, scope_name))
+        c["log_id"].append(hashlib.blake2b(identity.encode(), digest_size=16).hexdigest())
+        c["time_ns"].append(_clamp_ns(time_ns))
+        c["observed_ns"].append(_clamp_ns(observed_ns))
+        c["severity_number"].append(severity_number)
+        c["severity_text"].append(severity_text or None)
+        c["event_name"].append(event_name or None)
+        c["body"].append(body_json)
+        c["attributes"].append(attrs_json)
+        c["resource"].append(res.resource_json)
+        c["scope_name"].append(scope_name or None)
+        c["scope_version"].append(scope_version or None)
+        c["trace_id"].append(trace_id or None)
+        c["span_id"].append(span_id or None)
+        c["flags"].append(flags)
+        c["service_name"].append(res.service_name)
+        rollout = attrs.get(ROLLOUT_ID_KEY)
+        c["rollout_id"].append(res.rollout_id if rollout is None else str(rollout))
+        task = attrs.get(TASK_ID_KEY)
+        c["task_id"].append(res.task_id if task is None else str(task))
+        attempt = attrs.get(ATTEMPT_KEY)
+        c["attempt"].append(res.attempt if attempt is None else _as_int(attempt))
+        c["received_ns"].append(self.received_ns)
+
+    def result(self) -> Decoded:
+        return Decoded(pa.Table.from_pydict(self.columns, schema=LOG_SCHEMA))
+
+
+def decode_logs_protobuf(body: bytes) -> Decoded:
+    request = ExportLogsServiceRequest()
+    try:
+        request.ParseFromString(body)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise DecodeFailure(f"body is not a protobuf ExportLogsServiceRequest: {exc}") from None
+    out = _LogColumns()
+    for resource_logs in request.resource_logs:
+        res = _ResourceContext(_pb_attrs(resource_logs.resource.attributes))
+        for scope_logs in resource_logs.scope_logs:
+            for r in scope_logs.log_records:
+                out.add(r.time_unix_nano, r.observed_time_unix_nano, r.severity_number, r.severity_text,
+                        r.event_name, _pb_value(r.body), _pb_attrs(r.attributes), res, scope_logs.scope.name,
+                        scope_logs.scope.version, r.trace_id.hex(), r.span_id.hex(), r.flags)
+    return out.result()
+
+
+def decode_logs_json(body: bytes | dict) -> Decoded:
+    doc = body if isinstance(body, dict) else _parse_json(body, "an ExportLogsServiceRequest")
+    out = _LogColumns()
+    for block in _js_list(doc, "resourceLogs", "resource_logs", "the request"):
+        res = _js_resource(block)
+        for scope_block in _js_list(block, "scopeLogs", "scope_logs", "resourceLogs"):
+            scope_name, scope_version = _js_scope(scope_block)
+            for r in _js_list(scope_block, "logRecords", "log_records", "scopeLogs"):
+                body_value = r.get("body")
+                out.add(_js_time(_get(r, "timeUnixNano", "time_unix_nano"), "timeUnixNano"),
+                        _js_time(_get(r, "observedTimeUnixNano", "observed_time_unix_nano"), "observedTimeUnixNano"),
+                        _js_enum(_get(r, "severityNumber", "severity_number"), (), "", "severityNumber"),
+                        str(_get(r, "severityText", "severity_text") or ""),
+                        str(_get(r, "eventName", "event_name") or ""),
+                        None if body_value is None else _js_value(body_value),
+                        _js_attrs(r.get("attributes")), res, scope_name, scope_version,
+                        _js_hex_id(_get(r, "traceId", "trace_id"), "traceId"),
+                        _js_hex_id(_get(r, "spanId", "span_id"), "spanId"),
+                        _as_int(r.get("flags")) or 0)
+    return out.result()
+
+
+DECODERS: dict[tuple[str, str], Callable[[bytes], Decoded]] = {
+    ("traces", "protobuf"): decode_traces_protobuf,
+    ("traces", "json"): decode_traces_json,
+    ("logs", "protobuf"): decode_logs_protobuf,
+    ("logs", "json"): decode_logs_json,
+}

@@ -1,0 +1,218 @@
+"""The one module that owns DuckDB connections to a store file.
+
+A store is one DuckDB file. While a process holds it read-write, no other process can open it at all
+(DuckDB's file lock), so the collector is the single owner while it runs and everybody else goes
+through its HTTP endpoints (see client.py). Reads use a read-only transaction on a cursor of their own.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import duckdb
+import pyarrow as pa
+
+from lightning_otel.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+READ_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+SQL_CREATE_MIGRATIONS = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version INTEGER PRIMARY KEY, name VARCHAR NOT NULL, applied_at TIMESTAMP DEFAULT current_timestamp)
+"""
+SQL_INSERT_SPANS = "INSERT OR IGNORE INTO spans BY NAME SELECT * FROM batch"
+SQL_INSERT_LOGS = "INSERT OR IGNORE INTO logs BY NAME SELECT * FROM batch"
+SQL_PRUNE_SPANS = """
+DELETE FROM spans WHERE trace_id IN (
+    SELECT trace_id FROM spans GROUP BY trace_id HAVING max(greatest(start_ns, end_ns)) < $before)
+"""
+SQL_PRUNE_LOGS = "DELETE FROM logs WHERE coalesce(nullif(time_ns, 0), observed_ns) < $before"
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def load_migrations() -> list[Migration]:
+    """The numbered .sql files shipped in span_store/migrations, in order."""
+    folder = resources.files("lightning_otel.span_store") / "migrations"
+    found = []
+    for entry in folder.iterdir():
+        match = MIGRATION_NAME.match(entry.name)
+        if match:
+            found.append(Migration(int(match.group(1)), match.group(2), entry.read_text()))
+    found.sort(key=lambda m: m.version)
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"migrations must be numbered 1..n without gaps, found {versions}")
+    return found
+
+
+def pending_migrations(con: duckdb.DuckDBPyConnection) -> list[Migration]:
+    exists = con.execute(
+        "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'schema_migrations' AND schema_name = 'main'"
+    ).fetchone()[0]
+    applied = set()
+    if exists:
+        applied = {row[0] for row in con.execute("SELECT version FROM schema_migrations").fetchall()}
+    known = load_migrations()
+    newest_known = known[-1].version if known else 0
+    if applied and max(applied) > newest_known:
+        raise UserError(
+            f"this store was written by a newer lightning-otel (schema version {max(applied)}, this one knows "
+            f"up to {newest_known}); upgrade lightning-otel to read it")
+    return [m for m in known if m.version not in applied]
+
+
+def apply_migrations(con: duckdb.DuckDBPyConnection) -> int:
+    """Apply pending migrations, each in its own transaction. Returns how many were applied."""
+    todo = pending_migrations(con)
+    for migration in todo:
+        con.execute("BEGIN TRANSACTION")
+        try:
+            con.execute(SQL_CREATE_MIGRATIONS)
+            con.execute(migration.sql)
+            con.execute("INSERT INTO schema_migrations (version, name) VALUES (?, ?)",
+                        [migration.version, migration.name])
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+        log.info("applied migration %04d_%s", migration.version, migration.name)
+    return len(todo)
+
+
+def _lock_holder(message: str) -> str:
+    match = re.search(r"held in (.+?) \(PID (\d+)\)", message)
+    return f"process {match.group(2)} ({match.group(1)})" if match else "another process"
+
+
+def connect(path: Path | str, read_only: bool = False, memory_limit: str | None = None,
+            threads: int | None = None) -> duckdb.DuckDBPyConnection:
+    """Open a store file with external access disabled, migrating it when opened read-write.
+
+    Raises UserError (naming the holder) when another process holds the file.
+    """
+    path = Path(path)
+    if read_only and not path.exists():
+        raise UserError(f"no trace store at {path}: start `lightning-otel collect --db {path}` to create one")
+    config = {"enable_external_access": False}
+    if memory_limit:
+        config["memory_limit"] = memory_limit
+    if threads:
+        config["threads"] = threads
+    try:
+        if read_only:
+            with duckdb.connect(str(path), read_only=True) as probe:
+                needs_migration = bool(pending_migrations(probe))
+            if needs_migration:
+                # Bring an older file up to date once, then reopen read-only as asked.
+                connect(path, read_only=False).close()
+        con = duckdb.connect(str(path), read_only=read_only, config=config)
+    except duckdb.IOException as exc:
+        if "lock" in str(exc).lower():
+            raise UserError(f"the trace store {path} is held by {_lock_holder(str(exc))}; "
+                            f"stop that process or query it through its collector") from None
+        raise UserError(f"cannot open trace store {path}: {exc}") from None
+    if not read_only:
+        apply_migrations(con)
+    return con
+
+
+def check_read_only(sql: str) -> None:
+    """Refuse anything but read statements, with a message that says what to do instead."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise UserError(f"cannot parse SQL: {exc}") from None
+    if not statements:
+        raise UserError("empty SQL: give one SELECT statement")
+    if len(statements) > 1:
+        raise UserError(f"give one statement at a time, got {len(statements)}")
+    kind = statements[0].type
+    if kind not in READ_STATEMENTS:
+        raise UserError(
+            f"only read statements (SELECT, FROM, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) are allowed here, "
+            f"got {kind.name}; the store is written only by the collector")
+
+
+class Reader:
+    """Runs read-only queries on a connection, each on its own cursor in a read-only transaction."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, timeout_s: float | None = None):
+        self.con = con
+        self.timeout_s = timeout_s
+
+    def record_batches(self, sql: str, batch_rows: int = 65_536) -> Iterator[pa.RecordBatch]:
+        """Stream the result of one read statement, so a big result never sits in memory whole."""
+        check_read_only(sql)
+        cursor = self.con.cursor()
+        timer = None
+        if self.timeout_s:
+            timer = threading.Timer(self.timeout_s, cursor.interrupt)
+            timer.start()
+        try:
+            cursor.execute("BEGIN TRANSACTION READ ONLY")
+            try:
+                reader = cursor.sql(sql).to_arrow_reader(batch_rows)
+                yield from _reader_with_schema(reader)
+            except duckdb.InterruptException:
+                raise UserError(f"query stopped after the {self.timeout_s:g} s limit") from None
+            except duckdb.Error as exc:
+                raise UserError(f"query failed: {exc}") from None
+            finally:
+                try:
+                    cursor.execute("ROLLBACK")
+                except duckdb.Error:
+                    pass  # an interrupted or failed statement has already ended the transaction
+        finally:
+            if timer:
+                timer.cancel()
+            cursor.close()
+
+    def schema_and_batches(self, sql: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+        batches = self.record_batches(sql)
+        schema = next(batches)  # first item is the schema, so errors surface before any byte is sent
+        return schema, batches
+
+    def arrow(self, sql: str) -> pa.Table:
+        schema, batches = self.schema_and_batches(sql)
+        return pa.Table.from_batches(list(batches), schema=schema)
+
+
+def _reader_with_schema(reader: pa.RecordBatchReader) -> Iterator:
+    yield reader.schema
+    yield from reader
+
+
+def insert_batch(con: duckdb.DuckDBPyConnection, kind: str, batch: pa.Table) -> None:
+    """Insert decoded rows; rows already stored (same trace and span id, same log content) are skipped."""
+    con.register("batch", batch)
+    try:
+        con.execute(SQL_INSERT_SPANS if kind == "traces" else SQL_INSERT_LOGS)
+    finally:
+        con.unregister("batch")
+
+
+def prune(con: duckdb.DuckDBPyConnection, before_ns: int) -> dict[str, int]:
+    """Delete whole traces whose last span ended before `before_ns`, and older log records."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        spans = con.execute(SQL_PRUNE_SPANS, {"before": before_ns}).fetchone()[0]
+        logs = con.execute(SQL_PRUNE_LOGS, {"before": before_ns}).fetchone()[0]
+        con.execute("COMMIT")
+    except Exception:
+        con.execute("ROLLBACK")
+        raise
+    return {"spans": int(spans), "logs": int(logs)}

@@ -1,0 +1,114 @@
+"""Shared fixtures: real collectors on 127.0.0.1 over real DuckDB files, real OTel SDK pipelines."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lightning_otel.span_store import discovery
+from lightning_otel.span_store.collector import Collector, CollectorConfig
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "traces.duckdb"
+
+
+@pytest.fixture
+def make_collector(db_path: Path):
+    """Start in-process collectors (real HTTP server, real DuckDB file); all closed at teardown."""
+    started: list[Collector] = []
+
+    def start(**overrides) -> Collector:
+        config = CollectorConfig(db=overrides.pop("db", db_path), port=0, **overrides)
+        collector = Collector(config)
+        collector.start()
+        started.append(collector)
+        return collector
+
+    yield start
+    for collector in started:
+        collector.close()
+
+
+@pytest.fixture
+def collector(make_collector) -> Collector:
+    return make_collector()
+
+
+def post(url: str, body: bytes, content_type: str = "application/x-protobuf",
+         headers: dict[str, str] | None = None, method: str = "POST"):
+    """POST and return (status, headers, body) without raising on 4xx/5xx."""
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={"Content-Type": content_type, **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+class CollectorProcess:
+    """`lightning-otel collect` as a real child process."""
+
+    def __init__(self, db: Path, *extra: str):
+        self.db = db
+        self.log = db.with_suffix(".log")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_otel.cli", "collect", "--db", str(db), "--port", "0", *extra],
+            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            info = discovery.find_collector(db)
+            if info is not None and info.pid == self.proc.pid:
+                self.info = info
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"collector exited: {self.log.read_text()}")
+            time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError(f"collector did not start: {self.log.read_text()}")
+
+    @property
+    def url(self) -> str:
+        return self.info.url
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def collector_process(db_path: Path):
+    started: list[CollectorProcess] = []
+
+    def start(*extra: str, db: Path | None = None) -> CollectorProcess:
+        proc = CollectorProcess(db or db_path, *extra)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait(10)
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        return json.loads(resp.read())

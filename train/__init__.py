@@ -1,0 +1,1 @@
+"""Training (GRPO on DeepSpeed). Installed as lightning_otel.train."""
