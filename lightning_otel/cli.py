@@ -51,6 +51,10 @@ def write_table(table, fmt: str, output: Path | None) -> None:
         frame.write_parquet(output or sys.stdout.buffer)
         return
     if fmt == "csv":
+        nested = [name for name, dtype in frame.schema.items() if dtype.is_nested()]
+        if nested:
+            raise UserError(f"CSV cannot hold the nested column(s) {', '.join(nested)}: use --format json, "
+                            f"or select scalar columns")
         text = frame.write_csv()
     elif fmt == "json":
         text = frame.write_json() + "\n"

@@ -122,6 +122,7 @@ class Collector:
                                             version=lightning_otel.__version__)
         self._serving = threading.Event()
         self.busy_answers = 0
+        self._closed = False
 
     def _claim_discovery_file(self) -> None:
         holder = discovery.find_collector(self.db)
@@ -161,6 +162,9 @@ class Collector:
         self.close()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._serving.is_set():
             self.server.shutdown()
         self.server.server_close()
@@ -288,7 +292,7 @@ class _Handler(BaseHTTPRequestHandler):
         collector = self.server.collector
         if not collector._inflight.acquire(blocking=False):
             collector.busy_answers += 1
-            self.close_connection = True
+            self._drain()
             return self._send_error(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "too many requests in flight",
                                                  retry_after=collector.config.retry_after_s), as_protobuf)
         try:
@@ -315,18 +319,22 @@ class _Handler(BaseHTTPRequestHandler):
             collector._inflight.release()
 
     def _drain(self) -> None:
-        """Read an unread body so the connection stays usable, but never more than the limit."""
+        """Read and discard an unread body in small pieces, so the connection stays usable."""
         if getattr(self, "_body_consumed", False):
             return
         self._body_consumed = True
         try:
-            length = int(self.headers.get("Content-Length") or 0)
+            left = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            length = 0
-        if 0 < length <= self.server.collector.config.max_body_bytes:
-            self.rfile.read(length)
-        elif length:
+            left = 0
+        if left > self.server.collector.config.max_body_bytes:
             self.close_connection = True
+            return
+        while left > 0:
+            piece = self.rfile.read(min(left, 1 << 16))
+            if not piece:
+                break
+            left -= len(piece)
 
     def do_GET(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]
