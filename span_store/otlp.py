@@ -162,9 +162,10 @@ def _js_attrs(key_values: Any) -> dict[str, Any]:
         raise DecodeFailure("attributes must be a list of {key, value} objects")
     out = {}
     for kv in key_values:
-        if not isinstance(kv, dict) or not isinstance(kv.get("key"), str):
+        # proto3 JSON omits default values, so a missing key is the empty string.
+        if not isinstance(kv, dict) or not isinstance(kv.get("key", ""), str):
             raise DecodeFailure("each attribute must be an object with a string 'key'")
-        out[kv["key"]] = _js_value(kv.get("value", {}))
+        out[kv.get("key", "")] = _js_value(kv.get("value", {}))
     return out
 
 

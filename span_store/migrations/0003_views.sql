@@ -5,7 +5,6 @@
 -- A span that stands for an agent, a task or a graph node, and the name it goes by.
 CREATE MACRO agent_name_of(name, attributes, operation_name) AS
     CASE
-        WHEN attr(attributes, 'lightning.generate') IS NOT NULL THEN NULL
         WHEN attr(attributes, 'gen_ai.agent.name') IS NOT NULL
             AND coalesce(operation_name, '') NOT IN ('chat', 'text_completion', 'generate_content', 'execute_tool')
             THEN attr(attributes, 'gen_ai.agent.name')
@@ -63,6 +62,15 @@ COMMENT ON COLUMN call_agents.agent IS 'Name of the nearest ancestor that is an 
 COMMENT ON COLUMN call_agents.path IS 'Ancestor span names from the root down, joined with " > ".';
 
 CREATE VIEW llm_calls AS
+WITH detail_logs AS (
+    -- Official GenAI instrumentations (event_only mode) put the messages in a log record of the call's span.
+    SELECT trace_id, span_id,
+           any_value(attr_json(attributes, 'gen_ai.input.messages')::VARCHAR) AS input_messages,
+           any_value(attr_json(attributes, 'gen_ai.output.messages')::VARCHAR) AS output_messages,
+           any_value(attr_json(attributes, 'gen_ai.system_instructions')::VARCHAR) AS system_instructions
+    FROM logs WHERE span_id IS NOT NULL AND attr(attributes, 'gen_ai.operation.name') IS NOT NULL
+    GROUP BY trace_id, span_id
+)
 SELECT s.trace_id, s.span_id, s.parent_span_id, s.rollout_id, s.task_id, s.attempt, s.service_name,
        s.name, a.agent, a.path AS agent_path,
        row_number() OVER (PARTITION BY coalesce(s.rollout_id, s.trace_id) ORDER BY s.start_ns, s.span_id) - 1
@@ -71,16 +79,17 @@ SELECT s.trace_id, s.span_id, s.parent_span_id, s.rollout_id, s.task_id, s.attem
        s.operation_name, coalesce(attr(s.attributes, 'gen_ai.provider.name'), attr(s.attributes, 'gen_ai.system'))
            AS provider,
        s.request_model, s.response_model, s.input_tokens, s.output_tokens,
-       attr(s.attributes, 'gen_ai.is_streaming') = 'true' AS streaming,
+       coalesce(attr(s.attributes, 'gen_ai.is_streaming') = 'true', false) AS streaming,
        attr(s.attributes, 'gen_ai.response.id') AS response_id,
        attr_json(s.attributes, 'gen_ai.response.finish_reasons') AS finish_reasons,
-       attr(s.attributes, 'gen_ai.system_instructions') AS system_instructions,
-       attr(s.attributes, 'gen_ai.input.messages') AS input_messages,
-       attr(s.attributes, 'gen_ai.output.messages') AS output_messages,
+       coalesce(attr(s.attributes, 'gen_ai.system_instructions'), d.system_instructions) AS system_instructions,
+       coalesce(attr(s.attributes, 'gen_ai.input.messages'), d.input_messages) AS input_messages,
+       coalesce(attr(s.attributes, 'gen_ai.output.messages'), d.output_messages) AS output_messages,
        attr(s.attributes, 'gen_ai.tool.definitions') AS tool_definitions,
        s.scope_name
 FROM spans s
 LEFT JOIN call_agents a ON a.trace_id = s.trace_id AND a.call_span_id = s.span_id
+LEFT JOIN detail_logs d ON d.trace_id = s.trace_id AND d.span_id = s.span_id
 WHERE is_llm_call(s.name, s.operation_name);
 COMMENT ON VIEW llm_calls IS 'One row per LLM call span (openai.chat, ChatOpenAI.chat, ...), with the agent that made it.';
 COMMENT ON COLUMN llm_calls.trace_id IS 'Trace of the call.';
@@ -109,25 +118,32 @@ COMMENT ON COLUMN llm_calls.streaming IS 'Whether the call streamed (gen_ai.is_s
 COMMENT ON COLUMN llm_calls.response_id IS 'gen_ai.response.id (the server''s completion id).';
 COMMENT ON COLUMN llm_calls.finish_reasons IS 'gen_ai.response.finish_reasons as JSON.';
 COMMENT ON COLUMN llm_calls.system_instructions IS 'gen_ai.system_instructions (JSON text) when the instrumentation splits the system prompt out.';
-COMMENT ON COLUMN llm_calls.input_messages IS 'gen_ai.input.messages: the prompt messages as JSON text (parts schema).';
-COMMENT ON COLUMN llm_calls.output_messages IS 'gen_ai.output.messages: the answer messages as JSON text (parts schema).';
+COMMENT ON COLUMN llm_calls.input_messages IS 'gen_ai.input.messages: the prompt messages as JSON text (parts schema), from the span or else from its GenAI log record.';
+COMMENT ON COLUMN llm_calls.output_messages IS 'gen_ai.output.messages: the answer messages as JSON text (parts schema), from the span or else from its GenAI log record.';
 COMMENT ON COLUMN llm_calls.tool_definitions IS 'gen_ai.tool.definitions: the tools offered, as JSON text.';
 COMMENT ON COLUMN llm_calls.scope_name IS 'Instrumentation that recorded the call.';
 
 CREATE VIEW tool_calls AS
+WITH tool_spans AS (
+    SELECT s.*,
+           coalesce(attr(s.attributes, 'gen_ai.tool.call.arguments'), attr(s.attributes, 'traceloop.entity.input'))
+               AS raw_arguments,
+           coalesce(attr(s.attributes, 'gen_ai.tool.call.result'), attr(s.attributes, 'traceloop.entity.output'))
+               AS raw_result
+    FROM spans s WHERE is_tool_call(s.name, s.attributes, s.operation_name)
+)
 SELECT s.trace_id, s.span_id, s.parent_span_id, s.rollout_id, s.task_id, s.attempt, s.service_name,
        coalesce(attr(s.attributes, 'gen_ai.tool.name'), attr(s.attributes, 'traceloop.entity.name'),
                 regexp_replace(s.name, '^execute_tool ', '')) AS tool_name,
-       attr(s.attributes, 'gen_ai.tool.call.id') AS call_id,
-       coalesce(attr(s.attributes, 'gen_ai.tool.call.arguments'), attr(s.attributes, 'traceloop.entity.input'))
-           AS arguments,
-       coalesce(attr(s.attributes, 'gen_ai.tool.call.result'), attr(s.attributes, 'traceloop.entity.output'))
-           AS result,
+       -- LangChain records the whole callback payload: the call id, arguments and result sit inside it.
+       coalesce(attr(s.attributes, 'gen_ai.tool.call.id'), json_extract_string(try_cast(s.raw_arguments AS JSON), '$.kwargs.tool_call_id'))
+           AS call_id,
+       coalesce(json_extract(try_cast(s.raw_arguments AS JSON), '$.inputs')::VARCHAR, s.raw_arguments) AS arguments,
+       coalesce(json_extract_string(try_cast(s.raw_result AS JSON), '$.output.kwargs.content'), s.raw_result) AS result,
        a.agent, a.path AS agent_path, s.start_ns, s.end_ns, (s.end_ns - s.start_ns) / 1e6 AS duration_ms,
        s.status_code, s.status_message, s.name
-FROM spans s
-LEFT JOIN call_agents a ON a.trace_id = s.trace_id AND a.call_span_id = s.span_id
-WHERE is_tool_call(s.name, s.attributes, s.operation_name);
+FROM tool_spans s
+LEFT JOIN call_agents a ON a.trace_id = s.trace_id AND a.call_span_id = s.span_id;
 COMMENT ON VIEW tool_calls IS 'One row per tool execution span (LangGraph, AutoGen, Traceloop tool spans).';
 COMMENT ON COLUMN tool_calls.trace_id IS 'Trace of the tool call.';
 COMMENT ON COLUMN tool_calls.span_id IS 'The tool call''s span id.';
@@ -137,9 +153,9 @@ COMMENT ON COLUMN tool_calls.task_id IS 'Task of the rollout.';
 COMMENT ON COLUMN tool_calls.attempt IS 'Sample index within the task''s group.';
 COMMENT ON COLUMN tool_calls.service_name IS 'service.name of the process.';
 COMMENT ON COLUMN tool_calls.tool_name IS 'gen_ai.tool.name, else the entity name, else the span name without "execute_tool ".';
-COMMENT ON COLUMN tool_calls.call_id IS 'gen_ai.tool.call.id: joins the tool_call part of the LLM''s output message.';
-COMMENT ON COLUMN tool_calls.arguments IS 'Arguments as recorded (gen_ai.tool.call.arguments or traceloop.entity.input); NULL when the instrumentation does not record them.';
-COMMENT ON COLUMN tool_calls.result IS 'Result as recorded (gen_ai.tool.call.result or traceloop.entity.output).';
+COMMENT ON COLUMN tool_calls.call_id IS 'gen_ai.tool.call.id (LangChain: the payload''s tool_call_id): joins the tool_call part of the LLM''s output message.';
+COMMENT ON COLUMN tool_calls.arguments IS 'Arguments as JSON text (gen_ai.tool.call.arguments or traceloop.entity.input; for LangChain the payload''s inputs); NULL when the instrumentation does not record them (AutoGen).';
+COMMENT ON COLUMN tool_calls.result IS 'Result (gen_ai.tool.call.result or traceloop.entity.output; for LangChain the ToolMessage content).';
 COMMENT ON COLUMN tool_calls.agent IS 'Nearest agent, task or graph node above the tool call.';
 COMMENT ON COLUMN tool_calls.agent_path IS 'Ancestor span names from the root down.';
 COMMENT ON COLUMN tool_calls.start_ns IS 'Start, ns since the epoch.';
