@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,6 +33,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 import lightning_otel
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import discovery, otlp, store
+from lightning_otel.span_store.decoding import DecoderPool
 from lightning_otel.span_store.writer import BatchWriter, Busy
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class CollectorConfig:
     retry_after_s: int = 1
     query_timeout_s: float = 120.0
     memory_limit: str = "2GB"
+    decode_workers: int = field(default_factory=lambda: min(os.cpu_count() or 1, 4))
 
     def __post_init__(self) -> None:
         self.db = Path(self.db)
@@ -62,6 +64,8 @@ class CollectorConfig:
             raise UserError(f"--max-body-bytes {self.max_body_bytes} is too small (at least 1024)")
         if self.max_pending_rows < 1 or self.max_inflight_requests < 1:
             raise UserError("max_pending_rows and max_inflight_requests must be positive")
+        if self.decode_workers < 0:
+            raise UserError("--decode-workers must be 0 (decode in the server process) or more")
         if self.token == "":
             raise UserError("--token is empty: give a token, or leave it out to accept requests without one")
 
@@ -116,6 +120,7 @@ class Collector:
             self.con.close()
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; "
                             f"pick another --port (0 picks a free one)") from None
+        self.decoders = DecoderPool(config.decode_workers)
         self.port = self.server.server_address[1]
         self.info = discovery.CollectorInfo(pid=os.getpid(), host=config.host, port=self.port,
                                             token=config.token, db=str(self.db),
@@ -168,6 +173,7 @@ class Collector:
         if self._serving.is_set():
             self.server.shutdown()
         self.server.server_close()
+        self.decoders.close()
         self.writer.stop()
         try:
             self.con.execute("CHECKPOINT")
@@ -187,11 +193,13 @@ class Collector:
                                "(OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<token>)")
 
     def ingest(self, signal_name: str, encoding: str, body: bytes) -> otlp.Decoded:
-        decoder = otlp.DECODERS[(signal_name, encoding)]
         try:
-            decoded = decoder(body)
+            decoded = self.decoders.decode(signal_name, encoding, body)
         except otlp.DecodeFailure as exc:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        except RuntimeError as exc:
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"{exc}; retry",
+                               retry_after=self.config.retry_after_s) from None
         if decoded.table.num_rows:
             try:
                 pending = self.writer.submit(signal_name, decoded.table)

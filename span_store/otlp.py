@@ -114,8 +114,17 @@ def _pb_value(value: Any) -> Any:
     return getattr(value, kind)
 
 
+_SCALAR_KINDS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
+
+
 def _pb_attrs(key_values: Any) -> dict[str, Any]:
-    return {kv.key: _pb_value(kv.value) for kv in key_values}
+    # The hot loop of ingest: scalars inline, one call fewer per attribute than _pb_value.
+    out = {}
+    for kv in key_values:
+        value = kv.value
+        kind = value.WhichOneof("value")
+        out[kv.key] = getattr(value, kind) if kind in _SCALAR_KINDS else _pb_value(value)
+    return out
 
 
 # ---- JSON AnyValue ---------------------------------------------------------------------------------
