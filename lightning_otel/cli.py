@@ -114,6 +114,28 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store import client, tour
+    from lightning_otel.span_store.export import export_parquet
+
+    print("The training demo (SFT warm start, GRPO rounds, eval) is still being built; until then this is")
+    print("a tour of the trace store over traces recorded from LangGraph, CrewAI, AutoGen and the OpenAI SDK.")
+    collector = tour.load_samples(args.folder)
+    db = collector.db
+    try:
+        print(f"\ncollector on {collector.url} wrote {db}\n")
+        for title, sql in tour.QUERIES:
+            print(f"-- {title}\n{sql}")
+            write_table(client.query_arrow(sql, db), "table", None)
+            print()
+        written = export_parquet(db, args.folder / "parquet", overwrite=True)
+    finally:
+        collector.close()
+    print(f"Parquet export: {args.folder / 'parquet'} ({written['spans']} spans, partitioned by day)")
+    print(f"Explore: lightning-otel sql \"SELECT * FROM llm_calls\" --db {db}")
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from lightning_otel.span_store.reference import schema_markdown
 
@@ -172,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--before", required=True, metavar="DATE", help="YYYY-MM-DD or ISO timestamp (UTC)")
     p.set_defaults(func=cmd_prune)
 
+    p = sub.add_parser("demo", help="the main job on embedded defaults (for now: a tour of the trace store)")
+    p.add_argument("--folder", type=Path, default=Path("lightning-otel-demo"),
+                   help="where the demo writes its files (default: ./lightning-otel-demo)")
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("schema", help="print the reference of every table, view and column (Markdown)")
     p.add_argument("--markdown", action="store_true", help="Markdown output (the only format)")
     p.set_defaults(func=cmd_schema)
@@ -181,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -176,3 +176,12 @@ def test_csv_rendering_of_nested_columns(collector, db_path, capsys):
     assert json.loads(capsys.readouterr().out) == [{"xs": [1, 2], "s": {"a": 1}}]
     assert main(["sql", "SELECT [1, 2] AS xs", "--db", str(db_path), "--format", "csv"]) == 2
     assert "--format json" in capsys.readouterr().err
+
+
+def test_demo_tours_the_bundled_traces(tmp_path, capsys):
+    assert main(["demo", "--folder", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    for needle in ("SQL Analyst", "write_query", "sql_agent", "execute_sql", "ro-langgraph-1"):
+        assert needle in out
+    assert client.query("SELECT count(*) AS n FROM llm_calls", tmp_path / "demo" / "traces.duckdb")["n"][0] == 12
+    assert list((tmp_path / "demo" / "parquet" / "spans").glob("day=*/*.parquet"))
