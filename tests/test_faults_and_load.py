@@ -21,7 +21,11 @@ def test_acknowledged_spans_survive_sigkill(collector_process, db_path):
         status, _, _ = post(proc.url + "/v1/traces", sample_request(50, seed=100 + seed).SerializeToString())
         assert status == 200
         acked += 50
+    workers = psutil.Process(proc.proc.pid).children(recursive=True)
+    assert workers, "the collector decodes in worker processes by default"
     proc.kill()  # no chance to checkpoint or clean up
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, "decoder workers must not outlive a killed collector"
     assert discovery.info_path(db_path).exists()  # left behind by the kill ...
     assert client.query("SELECT count(*) AS n FROM spans", db_path)["n"][0] == acked
     assert not discovery.info_path(db_path).exists()  # ... and cleaned as stale by the next command
