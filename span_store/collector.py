@@ -149,8 +149,6 @@ class Collector:
 
     def serve_forever(self) -> None:
         """Serve until SIGINT/SIGTERM, then write what is queued and release the file."""
-        self.writer.start()
-        discovery.write_info(self.db, self.info)
         stop = threading.Event()
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -158,9 +156,7 @@ class Collector:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        thread = threading.Thread(target=self.server.serve_forever, name="collector-http", daemon=True)
-        thread.start()
-        self._serving.set()
+        self.start()
         log.info("collector listening on %s, writing %s", self.url, self.db)
         while not stop.wait(0.5):
             pass

@@ -185,3 +185,13 @@ def test_demo_tours_the_bundled_traces(tmp_path, capsys):
         assert needle in out
     assert client.query("SELECT count(*) AS n FROM llm_calls", tmp_path / "demo" / "traces.duckdb")["n"][0] == 12
     assert list((tmp_path / "demo" / "parquet" / "spans").glob("day=*/*.parquet"))
+
+
+def test_public_api_and_light_core(db_path, collector):
+    from lightning_otel.span_store import query
+    post(collector.url + "/v1/traces", sample_request(1).SerializeToString())
+    assert isinstance(query("SELECT * FROM spans", db_path), pl.DataFrame)
+    code = ("import sys, lightning_otel, lightning_otel.span_store;"
+            "print(sorted(m for m in ('duckdb', 'polars', 'pyarrow', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "[]", "the core an agent process imports must stay light"
