@@ -30,6 +30,17 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 """
 SQL_INSERT_SPANS = "INSERT OR IGNORE INTO spans BY NAME SELECT * FROM batch"
 SQL_INSERT_LOGS = "INSERT OR IGNORE INTO logs BY NAME SELECT * FROM batch"
+SQL_INSERT_EMITTED_REWARDS = """
+INSERT INTO rewards (rollout_id, trace_id, span_id, name, value, source, created_ns, reward_span_id)
+SELECT DISTINCT ON (b.trace_id, b.span_id)
+       b.rollout_id, b.trace_id, b.parent_span_id, attr(b.attributes, 'lightning.reward.name'),
+       TRY_CAST(attr(b.attributes, 'lightning.reward.value') AS DOUBLE), 'emitted', b.received_ns, b.span_id
+FROM batch b
+WHERE b.name = 'lightning.reward' AND b.rollout_id IS NOT NULL
+  AND attr(b.attributes, 'lightning.reward.name') IS NOT NULL
+  AND TRY_CAST(attr(b.attributes, 'lightning.reward.value') AS DOUBLE) IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM rewards r WHERE r.trace_id = b.trace_id AND r.reward_span_id = b.span_id)
+"""
 SQL_PRUNE_SPANS = """
 DELETE FROM spans WHERE trace_id IN (
     SELECT trace_id FROM spans GROUP BY trace_id HAVING max(greatest(start_ns, end_ns)) < $before)
@@ -200,7 +211,11 @@ def insert_batch(con: duckdb.DuckDBPyConnection, kind: str, batch: pa.Table) -> 
     """Insert decoded rows; rows already stored (same trace and span id, same log content) are skipped."""
     con.register("batch", batch)
     try:
-        con.execute(SQL_INSERT_SPANS if kind == "traces" else SQL_INSERT_LOGS)
+        if kind == "traces":
+            con.execute(SQL_INSERT_SPANS)
+            con.execute(SQL_INSERT_EMITTED_REWARDS)
+        else:
+            con.execute(SQL_INSERT_LOGS)
     finally:
         con.unregister("batch")
 
