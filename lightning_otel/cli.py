@@ -136,6 +136,54 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_environment(args: argparse.Namespace, base: dict[str, str]) -> dict[str, str]:
+    """The environment `lightning-otel run` gives the command: our distro selected explicitly."""
+    env = dict(base)
+    endpoint, token = args.endpoint, args.token
+    if args.db is not None:
+        from lightning_otel.span_store.discovery import find_collector
+        info = find_collector(args.db)
+        if info is None:
+            raise UserError(f"no collector holds {args.db}: start `lightning-otel collect --db {args.db}` first, "
+                            f"or give --endpoint")
+        endpoint, token = endpoint or info.url, token or info.token
+    env["OTEL_PYTHON_DISTRO"] = "lightning_otel"
+    env["OTEL_PYTHON_CONFIGURATOR"] = "lightning_otel"
+    if endpoint:
+        env["LIGHTNING_OTEL_ENDPOINT"] = endpoint
+    if token:
+        env["LIGHTNING_OTEL_TOKEN"] = token
+    if args.redact:
+        import json
+        env["LIGHTNING_OTEL_REDACT"] = json.dumps(args.redact)
+    if args.service_name:
+        env["OTEL_SERVICE_NAME"] = args.service_name
+    resource = {"lightning.rollout.id": args.rollout_id, "lightning.task.id": args.task_id,
+                "lightning.attempt": None if args.attempt is None else str(args.attempt)}
+    extra = ",".join(f"{k}={v}" for k, v in resource.items() if v is not None)
+    if extra:
+        env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(filter(None, [env.get("OTEL_RESOURCE_ATTRIBUTES"), extra]))
+    return env
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import shutil
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        raise UserError("give the command to run after --, e.g. lightning-otel run -- python agent.py")
+    instrument = shutil.which("opentelemetry-instrument", path=f"{Path(sys.executable).parent}{os.pathsep}"
+                              f"{os.environ.get('PATH', '')}")
+    if instrument is None:
+        raise UserError("opentelemetry-instrument is not installed in this environment "
+                        "(pip install opentelemetry-instrumentation)")
+    env = run_environment(args, dict(os.environ))
+    if shutil.which(command[0], path=env.get("PATH")) is None and not Path(command[0]).exists():
+        raise UserError(f"command not found: {command[0]}")
+    os.execve(instrument, [instrument, *command], env)
+    return 0  # not reached
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from lightning_otel.span_store.reference import schema_markdown
 
@@ -193,6 +241,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db(p)
     p.add_argument("--before", required=True, metavar="DATE", help="YYYY-MM-DD or ISO timestamp (UTC)")
     p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("run", help="run a command under opentelemetry-instrument with our distro",
+                       description="Run CMD so that its spans (LLM calls, tools, agents) go to a collector, "
+                                   "with this project's distro selected explicitly.",
+                       usage="lightning-otel run [options] -- CMD [ARGS...]")
+    p.add_argument("--endpoint", help="collector base URL (default: $LIGHTNING_OTEL_ENDPOINT or "
+                                      "http://127.0.0.1:4318)")
+    p.add_argument("--db", type=Path, help="send to the collector that holds this store file")
+    p.add_argument("--token", help="bearer token of the collector")
+    p.add_argument("--rollout-id", help="resource attribute lightning.rollout.id for every span")
+    p.add_argument("--task-id", help="resource attribute lightning.task.id")
+    p.add_argument("--attempt", type=int, help="resource attribute lightning.attempt (sample index)")
+    p.add_argument("--service-name", help="OTEL_SERVICE_NAME")
+    p.add_argument("--redact", action="append", metavar="REGEX",
+                   help="replace matches in every string attribute before export (repeatable)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("demo", help="the main job on embedded defaults (for now: a tour of the trace store)")
     p.add_argument("--folder", type=Path, default=Path("lightning-otel-demo"),

@@ -172,3 +172,21 @@ def test_an_instrumentor_that_fails_quietly_is_reported(collector, tmp_path, age
     assert "instrumentation reported a failure" in result.stderr
     assert "Failed to wrap Graph.invoke" in result.stderr
 
+
+
+def test_run_command_with_explicit_flags(make_collector, tmp_path, agent_script):
+    make_collector(token="tok")
+    db = tmp_path / "traces.duckdb"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LIGHTNING_OTEL_"))}
+    result = subprocess.run([str(BIN / "lightning-otel"), "run", "--db", str(db), "--rollout-id", "ro-run",
+                             "--task-id", "t9", "--attempt", "1", "--redact", "sk-[a-z0-9]+", "--",
+                             sys.executable, str(agent_script)], env=full_env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    rows = client.query("SELECT DISTINCT rollout_id, task_id, attempt FROM spans", db).to_dicts()
+    assert rows == [{"rollout_id": "ro-run", "task_id": "t9", "attempt": 1}]
+    assert "[REDACTED]" in client.query("SELECT attr(attributes, 'gen_ai.input.messages') AS m FROM spans "
+                                        "WHERE name = 'openai.chat'", db)["m"][0]
+    missing = subprocess.run([str(BIN / "lightning-otel"), "run", "--", "no-such-command-xyz"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "command not found" in missing.stderr
