@@ -1,0 +1,164 @@
+"""Reward functions, called by the rollout runner after each rollout as `fn(task, rollout) -> float | None`.
+
+`task` is the task row (a dict from the task file); `rollout` is the rollout's row (`final_output`, status,
+exit code, ...) plus `spans` (its spans as dicts) and `data_dir`. Returning None means "no reward": the
+rollout is then excluded from training and counted, never scored 0.
+
+Give one by registered name (`spider_exec`) or as `module:function`.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+import sqlite3
+import time
+from collections import Counter
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from lightning_otel.errors import UserError
+
+
+class RewardFunction(Protocol):
+    def __call__(self, task: dict, rollout: dict) -> float | None: ...
+
+
+def bundled_data_dir() -> Path:
+    """The Spider subset shipped with the package (see its README for the source and licence)."""
+    return Path(str(resources.files("lightning_otel") / "data" / "spider"))
+
+
+def database_path(data_dir: Path | str, db_id: str) -> Path:
+    """Spider's layout: <data_dir>/database/<db_id>/<db_id>.sqlite."""
+    return Path(data_dir) / "database" / db_id / f"{db_id}.sqlite"
+
+
+# ---- Spider execution match ------------------------------------------------------------------------
+
+ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
+FENCE = re.compile(r"^```(?:sql)?\s*|\s*```$", re.IGNORECASE)
+
+
+class QueryTimeout(Exception):
+    pass
+
+
+def run_query(db: Path, sql: str, timeout_s: float) -> list[tuple]:
+    """Run one statement on a read-only connection (the file cannot change), stopping at the timeout."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    con.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 10_000)
+    try:
+        return con.execute(sql).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "interrupted" in str(exc) and time.monotonic() > deadline:
+            raise QueryTimeout(f"query ran past {timeout_s:g} s") from None
+        raise
+    finally:
+        con.close()
+
+
+def results_match(gold: list[tuple], predicted: list[tuple], ordered: bool) -> bool:
+    """Spider's execution match: same rows as multisets (as sequences when `ordered`), allowing the
+    prediction's columns in another order."""
+    if len(gold) != len(predicted):
+        return False
+    if not gold:
+        return True
+    width = len(gold[0])
+    if any(len(row) != width for row in predicted):
+        return False
+    gold_columns = list(zip(*gold))
+    pred_columns = list(zip(*predicted))
+    # A gold column can only map to a prediction column holding the same values.
+    key = (lambda col: col) if ordered else (lambda col: Counter(col))
+    candidates = [[j for j, pc in enumerate(pred_columns) if key(pc) == key(gc)] for gc in gold_columns]
+    if any(not c for c in candidates):
+        return False
+    target = gold if ordered else Counter(gold)
+    for perm in _assignments(candidates):
+        reordered = [tuple(row[j] for j in perm) for row in predicted]
+        if (reordered if ordered else Counter(reordered)) == target:
+            return True
+    return False
+
+
+def _assignments(candidates: list[list[int]]):
+    """Injective choices of one prediction column per gold column, each from that column's candidates."""
+    chosen: list[int] = []
+
+    def walk(i: int):
+        if i == len(candidates):
+            yield list(chosen)
+            return
+        for j in candidates[i]:
+            if j not in chosen:
+                chosen.append(j)
+                yield from walk(i + 1)
+                chosen.pop()
+
+    yield from walk(0)
+
+
+def extract_sql(output: str | None) -> str | None:
+    if output is None:
+        return None
+    text = FENCE.sub("", output.strip()).strip()
+    return text or None
+
+
+def spider_exec(task: dict, rollout: dict, timeout_s: float = 10.0) -> float | None:
+    """1.0 when the rollout's final SQL returns the gold query's result on the task's database, else 0.0.
+
+    None when the task has no gold query or database (nothing to score against). A prediction that errors,
+    times out or tries to write scores 0.0.
+    """
+    gold_sql, db_id = task.get("query"), task.get("db_id")
+    if not gold_sql or not db_id:
+        return None
+    db = database_path(rollout.get("data_dir") or bundled_data_dir(), db_id)
+    if not db.is_file():
+        raise UserError(f"database {db} of task {task.get('id')!r} does not exist; check --data-dir")
+    predicted_sql = extract_sql(rollout.get("final_output"))
+    if predicted_sql is None:
+        return 0.0
+    gold = run_query(db, gold_sql, timeout_s)
+    try:
+        predicted = run_query(db, predicted_sql, timeout_s)
+    except (sqlite3.Error, QueryTimeout, ValueError):
+        return 0.0
+    return 1.0 if results_match(gold, predicted, ordered=bool(ORDER_BY.search(gold_sql))) else 0.0
+
+
+# ---- registry --------------------------------------------------------------------------------------
+
+REGISTRY: dict[str, RewardFunction] = {"spider_exec": spider_exec}
+
+
+def resolve_reward(spec: str) -> RewardFunction:
+    """A registered name, or `module:function` importable from the current environment."""
+    if spec in REGISTRY:
+        return REGISTRY[spec]
+    if ":" not in spec:
+        raise UserError(f"unknown reward {spec!r}: use one of {sorted(REGISTRY)} or module:function")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"cannot import reward module {module_name!r}: {exc}") from None
+    fn: Any = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"{spec!r}: {module_name} has no function {attr!r}")
+    return fn
+
+
+def call_reward(fn: Callable[..., Any], task: dict, rollout: dict) -> float | None:
+    """Call a reward function and check what it returned."""
+    value = fn(task, rollout)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise UserError(f"reward function {getattr(fn, '__name__', fn)!r} returned {value!r}; "
+                        f"return a finite number or None")
+    return float(value)

@@ -1,0 +1,101 @@
+"""Reward functions: spider_exec on the real Spider databases with hand-picked gold/prediction pairs."""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+from lightning_otel.errors import UserError
+from lightning_otel.rewards import (bundled_data_dir, call_reward, database_path, resolve_reward, results_match,
+                                   spider_exec)
+
+SINGER = {"id": "t1", "db_id": "singer"}
+
+
+def score(gold: str, predicted: str | None, **task) -> float | None:
+    return spider_exec({**SINGER, "query": gold, **task}, {"final_output": predicted})
+
+
+@pytest.mark.parametrize("gold,predicted,expected", [
+    ("SELECT count(*) FROM singer", "SELECT count(*) FROM singer", 1.0),
+    ("SELECT count(*) FROM singer", "select COUNT(Singer_ID) from singer;", 1.0),
+    ("SELECT count(*) FROM singer", "SELECT count(*) FROM singer WHERE Birth_Year > 1950", 0.0),
+    # Columns in another order still match.
+    ("SELECT Name, Citizenship FROM singer", "SELECT Citizenship, Name FROM singer", 1.0),
+    ("SELECT Name, Citizenship FROM singer", "SELECT Name FROM singer", 0.0),
+    ("SELECT Name, Citizenship FROM singer", "SELECT Name, Citizenship, Birth_Year FROM singer", 0.0),
+    # Row order matters only when the gold query has ORDER BY.
+    ("SELECT Name FROM singer ORDER BY Net_Worth_Millions ASC",
+     "SELECT Name FROM singer ORDER BY Net_Worth_Millions DESC", 0.0),
+    ("SELECT Name FROM singer ORDER BY Net_Worth_Millions ASC",
+     "SELECT Name FROM singer ORDER BY Net_Worth_Millions", 1.0),
+    ("SELECT Name FROM singer", "SELECT Name FROM singer ORDER BY Name DESC", 1.0),
+    # Duplicates count: a multiset, not a set.
+    ("SELECT Citizenship FROM singer", "SELECT DISTINCT Citizenship FROM singer", 0.0),
+    # Errors, writes and several statements score 0.
+    ("SELECT count(*) FROM singer", "SELECT nope FROM singer", 0.0),
+    ("SELECT count(*) FROM singer", "DELETE FROM singer", 0.0),
+    ("SELECT count(*) FROM singer", "SELECT count(*) FROM singer; DROP TABLE singer", 0.0),
+    ("SELECT count(*) FROM singer", "The answer is six singers.", 0.0),
+    ("SELECT count(*) FROM singer", "", 0.0),
+    ("SELECT count(*) FROM singer", None, 0.0),
+    # A one-line fenced answer is unwrapped.
+    ("SELECT count(*) FROM singer", "```sql SELECT count(*) FROM singer```", 1.0),
+])
+def test_spider_exec_pairs(gold, predicted, expected):
+    assert score(gold, predicted) == expected
+
+
+def test_the_database_is_never_changed():
+    db = database_path(bundled_data_dir(), "singer")
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    assert score("SELECT count(*) FROM singer", "DELETE FROM singer") == 0.0
+    assert score("SELECT count(*) FROM singer", "UPDATE singer SET Name = 'x'") == 0.0
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+
+
+def test_a_runaway_prediction_times_out_with_zero():
+    runaway = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    started = time.monotonic()
+    value = spider_exec({**SINGER, "query": "SELECT count(*) FROM singer"}, {"final_output": runaway},
+                        timeout_s=0.5)
+    assert value == 0.0 and time.monotonic() - started < 5
+
+
+def test_no_gold_means_no_reward_and_a_missing_database_is_an_error(tmp_path):
+    assert spider_exec({"id": "x", "question": "q"}, {"final_output": "SELECT 1"}) is None
+    with pytest.raises(UserError, match="does not exist"):
+        spider_exec({**SINGER, "query": "SELECT 1"}, {"final_output": "SELECT 1", "data_dir": str(tmp_path)})
+
+
+def test_results_match_on_hand_made_tables():
+    assert results_match([(1, "a"), (2, "b")], [("b", 2), ("a", 1)], ordered=False)
+    assert not results_match([(1, "a"), (2, "b")], [("b", 2), ("a", 1)], ordered=True)
+    assert results_match([(1, "a"), (2, "b")], [("a", 1), ("b", 2)], ordered=True)
+    # Two columns with equal values: either mapping must be tried.
+    assert results_match([(1, 1, "x"), (2, 2, "y")], [("x", 1, 1), ("y", 2, 2)], ordered=False)
+    assert not results_match([(1, 2)], [(1, 2), (1, 2)], ordered=False)
+    assert results_match([], [], ordered=False)
+    assert results_match([(6,)], [(6.0,)], ordered=False)
+
+
+def test_every_bundled_gold_query_matches_itself():
+    import json
+    rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines()[:60]]
+    assert all(spider_exec(row, {"final_output": row["query"]}) == 1.0 for row in rows)
+
+
+def test_resolving_reward_functions(tmp_path, monkeypatch):
+    assert resolve_reward("spider_exec") is spider_exec
+    (tmp_path / "my_rewards.py").write_text("def length(task, rollout):\n    return len(rollout['final_output'])\n"
+                                            "def bad(task, rollout):\n    return 'yes'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = resolve_reward("my_rewards:length")
+    assert call_reward(fn, {}, {"final_output": "abc"}) == 3.0
+    with pytest.raises(UserError, match="finite number or None"):
+        call_reward(resolve_reward("my_rewards:bad"), {}, {})
+    for spec, needle in [("nope", "unknown reward"), ("no_such_module:f", "cannot import"),
+                         ("my_rewards:missing", "no function")]:
+        with pytest.raises(UserError, match=needle):
+            resolve_reward(spec)
