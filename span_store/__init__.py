@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["query", "query_arrow", "record_batches", "ingest_files", "prune"]
+__all__ = ["query", "query_arrow", "record_batches", "ingest_files", "prune", "write_records"]
 
 
 def __getattr__(name: str) -> Any:

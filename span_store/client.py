@@ -174,6 +174,17 @@ def _ingest(paths: list[Path], report: IngestReport, send) -> None:
                 report.logs += decoded.table.num_rows
 
 
+# ---- records of the runner (tasks, rollout_runs, computed rewards) ---------------------------------------
+
+def write_records(db: Path | str, table: str, rows: list[dict]) -> int:
+    info = discovery.find_collector(db)
+    if info is not None:
+        body = orjson.dumps({"table": table, "rows": rows})
+        return orjson.loads(_request(info, "/v1/records", body, "application/json").read())["written"]
+    with _writable(db) as con:
+        return store.write_records(con, table, rows)
+
+
 # ---- prune ------------------------------------------------------------------------------------------
 
 def prune(db: Path | str, before_ns: int) -> dict[str, int]:

@@ -4,6 +4,7 @@ Endpoints
   POST /v1/traces, /v1/logs   OTLP/HTTP, protobuf or JSON, optionally gzip/deflate (OTLP spec responses)
   POST /v1/query              body: one read statement; answer: Arrow IPC stream
   POST /v1/prune              body: {"before_ns": int}; answer: JSON counts
+  POST /v1/records            body: {"table": "tasks"|"rollout_runs"|"rewards", "rows": [...]}
   GET  /health                JSON: pid, db, rows written
 
 Run it with `lightning-otel collect --db traces.duckdb`. It is the only process that holds the file.
@@ -307,6 +308,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._post_query()
             if path == "/v1/prune":
                 return self._post_prune()
+            if path == "/v1/records":
+                return self._post_records()
             raise RequestError(HTTPStatus.NOT_FOUND,
                                f"no endpoint POST {path}; OTLP goes to /v1/traces or /v1/logs")
         except RequestError as err:
@@ -406,6 +409,16 @@ class _Handler(BaseHTTPRequestHandler):
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             raise RequestError(HTTPStatus.BAD_REQUEST, 'prune body must be {"before_ns": <int>}') from None
         self._send(200, orjson.dumps(self.server.collector.prune(before_ns)), "application/json")
+
+
+    def _post_records(self) -> None:
+        try:
+            doc = orjson.loads(self._read_body())
+            table, rows = doc["table"], doc["rows"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise RequestError(HTTPStatus.BAD_REQUEST, 'records body must be {"table": ..., "rows": [...]}') from None
+        written = self.server.collector.writer.run_exclusive(lambda con: store.write_records(con, table, rows))
+        self._send(200, orjson.dumps({"written": written}), "application/json")
 
 
 def _grpc_code(status: int) -> int:

@@ -220,6 +220,58 @@ def insert_batch(con: duckdb.DuckDBPyConnection, kind: str, batch: pa.Table) -> 
         con.unregister("batch")
 
 
+# Tables other programs write through the collector (runner records, computed rewards).
+RECORD_TABLES = {"tasks": "task_id", "rollout_runs": "rollout_id", "rewards": None}
+SQL_DELETE_FUNCTION_REWARDS = """
+DELETE FROM rewards WHERE source = 'function' AND (rollout_id, name) IN (SELECT rollout_id, name FROM batch)
+"""
+
+
+def write_records(con: duckdb.DuckDBPyConnection, table: str, rows: list[dict]) -> int:
+    """Insert or replace rows of tasks / rollout_runs (by key), or add computed rewards (replacing an
+    earlier value of the same rollout and name). Raises UserError naming what is wrong."""
+    if table not in RECORD_TABLES:
+        raise UserError(f"table {table!r} cannot be written; writable: {sorted(RECORD_TABLES)}")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise UserError("rows must be a list of objects")
+    if not rows:
+        return 0
+    columns = {name for (name,) in con.execute(
+        "SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [table]).fetchall()}
+    for number, row in enumerate(rows):
+        unknown = set(row) - columns
+        if unknown:
+            raise UserError(f"row {number}: {table} has no column(s) {sorted(unknown)}; columns: {sorted(columns)}")
+        key = RECORD_TABLES[table]
+        if key and not row.get(key):
+            raise UserError(f"row {number}: {key} is required")
+    try:
+        batch = pa.Table.from_pylist([{k: (orjson_text(v) if k == "fields" else v) for k, v in row.items()}
+                                      for row in rows])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise UserError(f"rows do not have consistent types: {exc}") from None
+    con.register("batch", batch)
+    con.execute("BEGIN TRANSACTION")
+    try:
+        if table == "rewards":
+            con.execute(SQL_DELETE_FUNCTION_REWARDS)
+            con.execute("INSERT INTO rewards BY NAME SELECT * FROM batch")
+        else:
+            con.execute(f"INSERT OR REPLACE INTO {table} BY NAME SELECT * FROM batch")
+        con.execute("COMMIT")
+    except duckdb.Error as exc:
+        con.execute("ROLLBACK")
+        raise UserError(f"cannot store {table} rows: {exc}") from None
+    finally:
+        con.unregister("batch")
+    return len(rows)
+
+
+def orjson_text(value) -> str:
+    import orjson
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
 def prune(con: duckdb.DuckDBPyConnection, before_ns: int) -> dict[str, int]:
     """Delete whole traces whose last span ended before `before_ns`, and older log records."""
     con.execute("BEGIN TRANSACTION")
