@@ -184,6 +184,41 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from lightning_otel.runner import RolloutConfig, run_rollouts
+
+    config = RolloutConfig(tasks=args.tasks, agent=args.agent, n=args.n, concurrency=args.concurrency, db=args.db,
+                           base_url=args.base_url, api_key=args.api_key, model=args.model, reward=args.reward,
+                           data_dir=args.data_dir, timeout_s=args.timeout)
+    summary = run_rollouts(config, progress=Progress("rollouts").update)
+    print(f"{len(summary.results)} rollouts: {summary.count('ok')} ok, {summary.count('failed')} failed, "
+          f"{summary.count('timeout')} timed out, {summary.count('error')} could not start")
+    rewarded = summary.rewarded
+    if config.reward:
+        mean = sum(rewarded) / len(rewarded) if rewarded else float("nan")
+        print(f"reward {config.reward}: mean {mean:.3f} over {len(rewarded)} scored rollouts"
+              f" ({len(summary.results) - len(rewarded)} without a reward)")
+    print(f"stored in {args.db}: lightning-otel sql \"SELECT * FROM rollouts\" --db {args.db}")
+    return 0
+
+
+class Progress:
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.counts: dict[str, int] = {}
+
+    def update(self, result, done: int, total: int) -> None:
+        self.counts[result.status] = self.counts.get(result.status, 0) + 1
+        width = 30
+        bar = "#" * (width * done // total) + "." * (width - width * done // total)
+        detail = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+        end = "\n" if done == total or not sys.stderr.isatty() else ""
+        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{total} {detail}{end}")
+        sys.stderr.flush()
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from lightning_otel.span_store.reference import schema_markdown
 
@@ -258,6 +293,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace matches in every string attribute before export (repeatable)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("rollout", help="run an unchanged agent command over a task file, n samples per task",
+                       description="Run the agent once per task and sample, each a subprocess under "
+                                   "opentelemetry-instrument, recording spans, outcomes and rewards in the store.")
+    p.add_argument("--tasks", type=Path, required=True, help="JSONL task file (one object per line)")
+    p.add_argument("--agent", required=True,
+                   help='command template, e.g. "python agent.py --question {question} --db {db_path}"')
+    p.add_argument("-n", type=int, default=4, help="samples per task (default: 4)")
+    p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
+    _add_db(p)
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint the agents call (OPENAI_BASE_URL)")
+    p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")
+    p.add_argument("--model", default="policy", help="model name for {model} and LIGHTNING_MODEL")
+    p.add_argument("--reward", help="reward function: a registered name (spider_exec) or module:function")
+    p.add_argument("--data-dir", type=Path, help="Spider-layout data folder for {db_path} (default: bundled)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")
+    p.set_defaults(func=cmd_rollout)
 
     p = sub.add_parser("demo", help="the main job on embedded defaults (for now: a tour of the trace store)")
     p.add_argument("--folder", type=Path, default=Path("lightning-otel-demo"),

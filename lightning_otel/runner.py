@@ -1,0 +1,321 @@
+"""The rollout runner: run an unchanged agent command over a task file, n samples per task.
+
+    lightning-otel rollout --tasks dev.jsonl --agent "python agent.py --question {question} --db {db_path}" \\
+        -n 4 --concurrency 2 --db traces.duckdb --reward spider_exec --base-url http://127.0.0.1:8000/v1
+
+Each rollout is a subprocess under `opentelemetry-instrument` with our distro, given (DESIGN §7):
+OPENAI_BASE_URL, OPENAI_API_KEY, OTEL_RESOURCE_ATTRIBUTES (lightning.rollout.id, lightning.task.id,
+lightning.attempt), LIGHTNING_MODEL and the collector's address. Placeholders in the command are task
+fields, {model}, {rollout_id}, {attempt}, {task_id} and {db_path}: a fresh copy of the task's Spider
+database, so model-written SQL cannot damage shared files. Every rollout ends as a `rollout_runs` row
+(ok, failed, timeout or error) with its exit code, output tails and final output line; the reward
+function, if any, then scores it into `rewards`. Problems with the inputs are reported before any
+rollout starts.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from lightning_otel.errors import UserError
+from lightning_otel.rewards import bundled_data_dir, call_reward, database_path, resolve_reward
+from lightning_otel.rollout import new_rollout_id
+
+log = logging.getLogger(__name__)
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+RUNNER_NAMES = {"model", "rollout_id", "attempt", "task_id", "db_path"}
+TAIL_CHARS = 4000
+
+
+@dataclass
+class RolloutConfig:
+    tasks: Path
+    agent: str
+    n: int = 4
+    concurrency: int = 2
+    db: Path = Path("traces.duckdb")
+    base_url: str | None = None
+    api_key: str | None = None
+    model: str = "policy"
+    reward: str | None = None
+    data_dir: Path | None = None
+    timeout_s: float = 300.0
+    policy_version: int = 0
+    work_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.tasks, self.db = Path(self.tasks), Path(self.db)
+        self.data_dir = Path(self.data_dir) if self.data_dir else bundled_data_dir()
+        if self.n < 1:
+            raise UserError(f"-n {self.n}: the number of samples per task must be at least 1")
+        if self.concurrency < 1:
+            raise UserError(f"--concurrency {self.concurrency} must be at least 1")
+        if self.timeout_s <= 0:
+            raise UserError(f"--timeout {self.timeout_s} must be positive (seconds)")
+        if not self.agent.strip():
+            raise UserError("--agent is empty: give the command that runs your agent")
+        if self.base_url is None:
+            raise UserError("no model endpoint: give --base-url of an OpenAI-compatible server "
+                            "(the rollout gateway over the bundled model is not built yet)")
+
+
+@dataclass
+class Task:
+    task_id: str
+    line: int
+    fields: dict
+
+
+@dataclass
+class RolloutResult:
+    rollout_id: str
+    task_id: str
+    attempt: int
+    policy_version: int
+    status: str  # ok | failed | timeout | error
+    error_class: str | None
+    exit_code: int | None
+    started_ns: int
+    ended_ns: int
+    final_output: str | None
+    stdout_tail: str
+    stderr_tail: str
+    command: str
+    reward: float | None = None
+
+
+@dataclass
+class RolloutSummary:
+    results: list[RolloutResult] = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def rewarded(self) -> list[float]:
+        return [r.reward for r in self.results if r.reward is not None]
+
+
+def load_tasks(path: Path) -> list[Task]:
+    """Read a JSONL task file; any bad line is an error naming its number."""
+    if not path.is_file():
+        raise UserError(f"task file {path} does not exist")
+    tasks, seen = [], {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{number}: a task must be a JSON object, got {type(row).__name__}")
+        task_id = str(row["id"]) if row.get("id") not in (None, "") else str(number)
+        if task_id in seen:
+            raise UserError(f"{path}:{number}: task id {task_id!r} repeats line {seen[task_id]}")
+        seen[task_id] = number
+        tasks.append(Task(task_id, number, row))
+    if not tasks:
+        raise UserError(f"task file {path} has no tasks")
+    return tasks
+
+
+def check_inputs(config: RolloutConfig, tasks: list[Task]) -> list[str]:
+    """Everything that would fail later, found now: the command and every task's placeholders."""
+    argv = shlex.split(config.agent)
+    if shutil.which(argv[0]) is None and not Path(argv[0]).exists():
+        raise UserError(f"agent command not found: {argv[0]!r}")
+    names = {name for token in argv for name in PLACEHOLDER.findall(token)}
+    for task in tasks:
+        missing = sorted(n for n in names - RUNNER_NAMES if n not in task.fields)
+        if missing:
+            raise UserError(f"{config.tasks}:{task.line}: task {task.task_id!r} has no field(s) {missing} "
+                            f"used by --agent; fields: {sorted(task.fields)}")
+        if "db_path" in names:
+            db_id = task.fields.get("db_id")
+            if not db_id:
+                raise UserError(f"{config.tasks}:{task.line}: {{db_path}} needs a db_id field")
+            source = database_path(config.data_dir, str(db_id))
+            if not source.is_file():
+                raise UserError(f"{config.tasks}:{task.line}: database {source} does not exist; check --data-dir")
+    return argv
+
+
+def fill_placeholders(argv: list[str], values: dict[str, str]) -> list[str]:
+    return [PLACEHOLDER.sub(lambda m: values[m.group(1)], token) for token in argv]
+
+
+def resource_attributes(existing: str | None, extra: dict[str, str]) -> str:
+    """OTEL_RESOURCE_ATTRIBUTES with ours added (values percent-encoded, as the OTel spec says)."""
+    ours = ",".join(f"{k}={urllib.parse.quote(v, safe='')}" for k, v in extra.items())
+    return ",".join(filter(None, [existing, ours]))
+
+
+def _die_with_runner() -> None:
+    """In the child before exec: end when the runner ends, even by SIGKILL (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+class Runner:
+    def __init__(self, config: RolloutConfig, collector_url: str, collector_token: str | None,
+                 write_records: Callable[[str, list[dict]], int], spans_of: Callable[[str], list[dict]]):
+        self.config = config
+        self.collector_url = collector_url
+        self.collector_token = collector_token
+        self.write_records = write_records
+        self.spans_of = spans_of
+        self.reward_fn = resolve_reward(config.reward) if config.reward else None
+        self.instrument = shutil.which("opentelemetry-instrument",
+                                       path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        if self.instrument is None:
+            raise UserError("opentelemetry-instrument is not installed (pip install opentelemetry-instrumentation)")
+
+    def run(self, tasks: list[Task], progress: Callable[[RolloutResult, int, int], None] | None = None
+            ) -> RolloutSummary:
+        argv = check_inputs(self.config, tasks)
+        self.write_records("tasks", [{"task_id": t.task_id, "fields": t.fields, "source": str(self.config.tasks),
+                                      "created_ns": time.time_ns()} for t in tasks])
+        jobs = [(task, attempt) for task in tasks for attempt in range(self.config.n)]
+        summary = RolloutSummary()
+        lock = threading.Lock()
+        work = self.config.work_dir or Path(tempfile.mkdtemp(prefix="lightning-rollouts-"))
+        work.mkdir(parents=True, exist_ok=True)
+
+        def one(job: tuple[Task, int]) -> None:
+            result = self.run_one(argv, job[0], job[1], work)
+            with lock:
+                summary.results.append(result)
+                if progress:
+                    progress(result, len(summary.results), len(jobs))
+
+        with ThreadPoolExecutor(self.config.concurrency) as pool:
+            list(pool.map(one, jobs))
+        if self.config.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        return summary
+
+    def run_one(self, argv: list[str], task: Task, attempt: int, work: Path) -> RolloutResult:
+        rollout_id = new_rollout_id()
+        folder = work / rollout_id
+        folder.mkdir()
+        values = {str(k): str(v) for k, v in task.fields.items()}
+        values.update(model=self.config.model, rollout_id=rollout_id, attempt=str(attempt), task_id=task.task_id)
+        if "db_id" in task.fields:
+            source = database_path(self.config.data_dir, str(task.fields["db_id"]))
+            if source.is_file():
+                values["db_path"] = str(shutil.copy(source, folder / source.name))
+        command = fill_placeholders(argv, values)
+        result = self._execute(command, self._environment(rollout_id, task, attempt), rollout_id, task, attempt)
+        self.write_records("rollout_runs", [{k: v for k, v in asdict(result).items() if k != "reward"}])
+        if self.reward_fn is not None:
+            result.reward = self._score(result, task)
+        shutil.rmtree(folder, ignore_errors=True)
+        return result
+
+    def _environment(self, rollout_id: str, task: Task, attempt: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "OPENAI_BASE_URL": self.config.base_url or "",
+            "OPENAI_API_KEY": self.config.api_key or env.get("OPENAI_API_KEY") or "lightning-otel",
+            "LIGHTNING_MODEL": self.config.model,
+            "LIGHTNING_OTEL_ENDPOINT": self.collector_url,
+            "OTEL_PYTHON_DISTRO": "lightning_otel",
+            "OTEL_PYTHON_CONFIGURATOR": "lightning_otel",
+            "OTEL_RESOURCE_ATTRIBUTES": resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES"), {
+                "lightning.rollout.id": rollout_id, "lightning.task.id": task.task_id,
+                "lightning.attempt": str(attempt)}),
+        })
+        if self.collector_token:
+            env["LIGHTNING_OTEL_TOKEN"] = self.collector_token
+        return env
+
+    def _execute(self, command: list[str], env: dict[str, str], rollout_id: str, task: Task,
+                 attempt: int) -> RolloutResult:
+        started = time.time_ns()
+        status, error_class, exit_code = "ok", None, None
+        stdout = stderr = ""
+        try:
+            proc = subprocess.Popen([self.instrument, *command], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
+                                    preexec_fn=_die_with_runner)
+        except OSError as exc:
+            status, error_class, stderr = "error", type(exc).__name__, str(exc)
+        else:
+            try:
+                stdout, stderr = proc.communicate(timeout=self.config.timeout_s)
+                exit_code = proc.returncode
+                if exit_code != 0:
+                    status, error_class = "failed", "NonZeroExit"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                status, error_class, exit_code = "timeout", "Timeout", proc.returncode
+        lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+        return RolloutResult(rollout_id, task.task_id, attempt, self.config.policy_version, status, error_class,
+                             exit_code, started, time.time_ns(), lines[-1] if lines else None,
+                             stdout[-TAIL_CHARS:], stderr[-TAIL_CHARS:], shlex.join(command))
+
+    def _score(self, result: RolloutResult, task: Task) -> float | None:
+        rollout = {**asdict(result), "spans": self.spans_of(result.rollout_id), "data_dir": str(self.config.data_dir)}
+        try:
+            value = call_reward(self.reward_fn, task.fields, rollout)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad rollout must not stop the batch
+            log.warning("reward function failed on rollout %s: %s", result.rollout_id, exc)
+            return None
+        if value is not None:
+            self.write_records("rewards", [{"rollout_id": result.rollout_id, "name": self.config.reward,
+                                            "value": value, "source": "function", "created_ns": time.time_ns()}])
+        return value
+
+
+def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, int], None] | None = None
+                 ) -> RolloutSummary:
+    """Start a collector on config.db unless one runs, run every rollout, stop what was started."""
+    from lightning_otel.span_store import client, discovery
+    from lightning_otel.span_store.collector import Collector, CollectorConfig
+
+    tasks = load_tasks(config.tasks)
+    check_inputs(config, tasks)
+    info = discovery.find_collector(config.db)
+    owned = None
+    if info is None:
+        owned = Collector(CollectorConfig(db=config.db, port=0))
+        owned.start()
+        info = owned.info
+    try:
+        def spans_of(rollout_id: str) -> list[dict]:
+            quoted = rollout_id.replace("'", "''")
+            return client.query(f"SELECT * FROM spans WHERE rollout_id = '{quoted}' ORDER BY start_ns",
+                                config.db).to_dicts()
+
+        runner = Runner(config, info.url, info.token,
+                        lambda table, rows: client.write_records(config.db, table, rows), spans_of)
+        return runner.run(tasks, progress)
+    finally:
+        if owned is not None:
+            owned.close()

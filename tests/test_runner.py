@@ -1,0 +1,156 @@
+"""The rollout runner on real processes: an agent script that knows nothing of lightning-otel, run under
+opentelemetry-instrument over Spider tasks with per-rollout database copies, scored by spider_exec."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lightning_otel.cli import main
+from lightning_otel.errors import UserError
+from lightning_otel.rewards import bundled_data_dir, database_path
+from lightning_otel.runner import RolloutConfig, load_tasks, resource_attributes, run_rollouts
+from lightning_otel.span_store import client
+
+# Behaviour keyed on the question, so one script covers every outcome the runner must record.
+AGENT = textwrap.dedent("""
+    import argparse, sqlite3, sys, time
+    from opentelemetry import trace
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--question")
+    parser.add_argument("--db")
+    args = parser.parse_args()
+    tracer = trace.get_tracer("test-agent")
+    with tracer.start_as_current_span("invoke_agent sql_writer") as span:
+        span.set_attribute("gen_ai.agent.name", "sql_writer")
+        con = sqlite3.connect(args.db)
+        con.execute("DELETE FROM singer")  # the runner's copy, never the shared file
+        con.commit()
+    if "crash" in args.question:
+        sys.exit(3)
+    if "hang" in args.question:
+        time.sleep(60)
+    print("thinking...")
+    print("SELECT count(*) FROM singer" if "How many" in args.question else "SELECT Name FROM singer")
+""")
+
+
+@pytest.fixture
+def setup(tmp_path: Path):
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    rows = [
+        {"id": "count", "db_id": "singer", "question": "How many singers are there?",
+         "query": "SELECT count(*) FROM singer"},
+        {"id": "names", "db_id": "singer", "question": "How many names? no: list names",
+         "query": "SELECT Name FROM singer"},
+        {"id": "wrong", "db_id": "singer", "question": "Net worth of each singer",
+         "query": "SELECT Net_Worth_Millions FROM singer"},
+        {"id": "crash", "db_id": "singer", "question": "crash please", "query": "SELECT 1"},
+        {"id": "hang", "db_id": "singer", "question": "hang please", "query": "SELECT 1"},
+    ]
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return agent, tasks
+
+
+def config(agent_script: Path, tasks: Path, db: Path, **kw) -> RolloutConfig:
+    import sys
+    defaults = dict(tasks=tasks, agent=f"{sys.executable} {agent_script} --question {{question}} --db {{db_path}}", n=2,
+                    concurrency=3, db=db, base_url="http://127.0.0.1:9/v1", reward="spider_exec", timeout_s=8)
+    defaults.update(kw)
+    return RolloutConfig(**defaults)
+
+
+def test_every_rollout_is_recorded_and_scored(setup, db_path):
+    agent, tasks = setup
+    original = hashlib.sha256(database_path(bundled_data_dir(), "singer").read_bytes()).hexdigest()
+    summary = run_rollouts(config(agent, tasks, db_path))
+    assert len(summary.results) == 10
+    assert (summary.count("ok"), summary.count("failed"), summary.count("timeout")) == (6, 2, 2)
+    rows = client.query("SELECT task_id, attempt, status, error_class, exit_code, final_output, spans, rewards "
+                        "FROM rollouts ORDER BY task_id, attempt", db_path).to_dicts()
+    by_task = {}
+    for row in rows:
+        by_task.setdefault(row["task_id"], []).append(row)
+    assert [r["attempt"] for r in by_task["count"]] == [0, 1]
+    assert all(r["status"] == "ok" and r["final_output"] == "SELECT count(*) FROM singer" for r in by_task["count"])
+    assert [r["rewards"][0]["value"] for r in by_task["count"]] == [1.0, 1.0]
+    assert [r["rewards"][0]["value"] for r in by_task["names"]] == [0.0, 0.0]  # counted 0 rows != names
+    assert [r["rewards"][0]["value"] for r in by_task["wrong"]] == [0.0, 0.0]
+    assert all((r["status"], r["error_class"], r["exit_code"]) == ("failed", "NonZeroExit", 3)
+               for r in by_task["crash"])
+    assert all(r["status"] == "timeout" and r["error_class"] == "Timeout" for r in by_task["hang"])
+    # The agent's own span reached the store under the rollout's id, task id and attempt.
+    assert all(r["spans"] >= 1 for r in by_task["count"])
+    tasks_stored = client.query("SELECT task_id, fields->>'question' AS q FROM tasks ORDER BY 1", db_path)
+    assert tasks_stored["task_id"].to_list() == ["count", "crash", "hang", "names", "wrong"]
+    # Every rollout worked on its own copy: the bundled database is untouched.
+    assert hashlib.sha256(database_path(bundled_data_dir(), "singer").read_bytes()).hexdigest() == original
+
+
+def test_wrong_answers_score_zero_and_no_gold_means_no_reward(setup, db_path, tmp_path):
+    agent, _ = setup
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text(json.dumps({"id": "w", "db_id": "singer", "question": "Net worth?",
+                                 "query": "SELECT Net_Worth_Millions FROM singer"}) + "\n"
+                     + json.dumps({"id": "nogold", "db_id": "singer", "question": "Net worth?"}) + "\n")
+    summary = run_rollouts(config(agent, tasks, db_path, n=1))
+    rewards = {r.task_id: r.reward for r in summary.results}
+    assert rewards == {"w": 0.0, "nogold": None}
+    stored = client.query("SELECT rollout_id FROM rewards", db_path)
+    assert stored.height == 1  # a rollout without a reward gets no row, never a 0
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(agent="no-such-agent-binary --x {question}"), "agent command not found"),
+    (dict(agent=f"{sys.executable} agent.py --q {{nonexistent_field}}"), "no field(s) ['nonexistent_field']"),
+    (dict(reward="nope"), "unknown reward"),
+    (dict(n=0), "at least 1"),
+    (dict(base_url=None), "--base-url"),
+])
+def test_bad_inputs_fail_before_any_rollout(setup, db_path, change, needle):
+    agent, tasks = setup
+    with pytest.raises(UserError) as info:
+        run_rollouts(config(agent, tasks, db_path, **change))
+    assert needle in str(info.value)
+    assert not db_path.exists() or client.query("SELECT count(*) AS n FROM rollout_runs", db_path)["n"][0] == 0
+
+
+def test_bad_task_files_are_named_by_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a"}\n\n{oops\n')
+    with pytest.raises(UserError, match="bad.jsonl:3: not JSON"):
+        load_tasks(bad)
+    bad.write_text('{"id": "a"}\n[1]\n')
+    with pytest.raises(UserError, match=":2: a task must be a JSON object"):
+        load_tasks(bad)
+    bad.write_text('{"id": "a"}\n{"id": "a"}\n')
+    with pytest.raises(UserError, match="repeats line 1"):
+        load_tasks(bad)
+    bad.write_text('{"question": "x"}\n{"question": "y"}\n')
+    assert [t.task_id for t in load_tasks(bad)] == ["1", "2"]
+
+
+def test_resource_attribute_values_are_percent_encoded():
+    assert resource_attributes("service.name=a", {"lightning.task.id": "x,y=z"}) == \
+        "service.name=a,lightning.task.id=x%2Cy%3Dz"
+
+
+def test_rollout_cli(setup, db_path, capsys):
+    import sys
+    agent, tasks = setup
+    code = main(["rollout", "--tasks", str(tasks), "--agent",
+                 f"{sys.executable} {agent} --question {{question}} --db {{db_path}}", "-n", "1",
+                 "--concurrency", "5", "--db", str(db_path), "--base-url", "http://127.0.0.1:9/v1",
+                 "--reward", "spider_exec", "--timeout", "5"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "5 rollouts: 3 ok, 1 failed, 1 timed out, 0 could not start" in captured.out
+    assert "rollouts [" in captured.err and "5/5" in captured.err
+    assert main(["rollout", "--tasks", str(tasks), "--agent", "nope {question}", "--db", str(db_path),
+                 "--base-url", "http://x"]) == 2
