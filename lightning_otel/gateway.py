@@ -1,0 +1,354 @@
+"""The rollout gateway: an OpenAI-compatible server in front of the engine that records, for every choice
+it returns, the exact prompt and completion token ids and sampling logprobs as a `lightning.generate`
+span whose parent is the client's LLM span (named by the request's W3C `traceparent`).
+
+Routes: POST /v1/chat/completions, /v1/completions, GET /v1/models, each also under /r/<rollout_id>/
+(the runner points each agent at its own prefix). Any model name is served by the current policy, so
+scripts that hard-code `gpt-4o` run unchanged. Streaming is served from the finished generation, one SSE
+chunk per token. Tools: the model's tool-call syntax (Hermes style by default) is parsed into OpenAI
+`tool_calls`; when the model's chat template cannot render tools, tools and tool messages are rendered
+into the prompt in that same syntax.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.propagate import extract
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import SpanKind
+
+from lightning_otel.distro import LightningSpanExporter
+from lightning_otel.engine import Engine, EngineError
+from lightning_otel.errors import UserError
+from lightning_otel.toolcalls import ToolFormat, tool_format
+
+log = logging.getLogger(__name__)
+GENERATE_SPAN = "lightning.generate"
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    collector_url: str | None = None
+    collector_token: str | None = None
+    tool_format: str = "hermes"
+    native_tools: bool = False  # True when the model's chat template renders `tools` itself
+    max_body_bytes: int = 16 * 1024 * 1024
+    default_max_tokens: int = 512
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        try:
+            tool_format(self.tool_format)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+
+
+def template_renders_tools(model_dir: Path) -> bool:
+    """Whether the model's chat template uses `tools` (else the gateway renders them into the prompt)."""
+    texts = [p.read_text() for p in (model_dir / "chat_template.jinja",) if p.is_file()]
+    config = model_dir / "tokenizer_config.json"
+    if config.is_file():
+        texts.append(str(json.loads(config.read_text()).get("chat_template", "")))
+    return any("tools" in text for text in texts)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def _check_chat(body: Any, max_n: int) -> None:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+    _check_common(body, max_n)
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise BadRequest("'tools' must be a list of objects", "tools")
+
+
+def _check_common(body: dict, max_n: int) -> None:
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
+        raise BadRequest(f"'n' must be an integer from 1 to {max_n}", "n")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise BadRequest(f"'{key}' must be a positive integer", key)
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest("'stream' must be true or false", "stream")
+
+
+class Gateway:
+    def __init__(self, engine: Engine, config: GatewayConfig):
+        self.engine = engine
+        self.config = config
+        self.format: ToolFormat = tool_format(config.tool_format)
+        self.provider = TracerProvider(resource=Resource.create({"service.name": "lightning-gateway"}))
+        if config.collector_url:
+            exporter = LightningSpanExporter(endpoint=config.collector_url, token=config.collector_token)
+            self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+        self.tracer = self.provider.get_tracer("lightning_otel.gateway")
+        self.server = _Server((config.host, config.port), _Handler, self)
+        self.port = self.server.server_address[1]
+        self.url = f"http://{config.host}:{self.port}"
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.server.serve_forever, name="gateway-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.server.shutdown()
+        self.server.server_close()
+        self.provider.shutdown()  # flushes the generate spans still queued
+
+    def flush(self) -> None:
+        self.provider.force_flush()
+
+    def base_url(self, rollout_id: str | None = None) -> str:
+        return f"{self.url}/r/{rollout_id}/v1" if rollout_id else f"{self.url}/v1"
+
+    # ---- chat completions ------------------------------------------------------------------------------
+
+    def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
+        _check_chat(body, self.config.max_n)
+        requested_model = str(body.get("model") or self.engine.model_name)
+        tools = body.get("tools") or None
+        upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "parallel_tool_calls")}
+        if not self.config.native_tools and (tools or _has_tool_messages(body["messages"])):
+            upstream["messages"] = self.format.render_messages(body["messages"], tools)
+            upstream.pop("tools", None)
+            upstream.pop("tool_choice", None)
+        if upstream.get("max_tokens") is None and upstream.get("max_completion_tokens") is None:
+            upstream["max_tokens"] = self.config.default_max_tokens
+        started = time.time_ns()
+        result = self.engine.generate("/v1/chat/completions", upstream)
+        ended = time.time_ns()
+        prompt_ids = result.get("prompt_token_ids") or []
+        choices = []
+        for choice in result.get("choices", []):
+            content = (choice.get("message") or {}).get("content") or ""
+            parsed = self.format.parse(content, tools_offered=bool(tools))
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            finish = choice.get("finish_reason")
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+                finish = "tool_calls"
+            token_logprobs = [t.get("logprob") for t in ((choice.get("logprobs") or {}).get("content") or [])]
+            out = {"index": choice.get("index", len(choices)), "message": message, "finish_reason": finish,
+                   "logprobs": choice.get("logprobs") if body.get("logprobs") else None}
+            choices.append(out)
+            self._record(headers, rollout_id, requested_model, result.get("id"), out["index"], prompt_ids,
+                         choice.get("token_ids") or [], token_logprobs, started, ended)
+        return {"id": result.get("id") or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": requested_model, "choices": choices,
+                "usage": _usage(result), "_token_pieces": [_pieces(c) for c in result.get("choices", [])]}
+
+    # ---- legacy completions ----------------------------------------------------------------------------
+
+    def complete(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
+                                             all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
+        _check_common(body, self.config.max_n)
+        if body.get("stream"):
+            raise BadRequest("streaming is not supported on /v1/completions; use /v1/chat/completions", "stream")
+        requested_model = str(body.get("model") or self.engine.model_name)
+        upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        upstream.setdefault("max_tokens", self.config.default_max_tokens)
+        started = time.time_ns()
+        result = self.engine.generate("/v1/completions", upstream)
+        ended = time.time_ns()
+        choices = []
+        for choice in result.get("choices", []):
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            index = choice.get("index", len(choices))
+            choices.append({"index": index, "text": choice.get("text", ""), "finish_reason": choice.get("finish_reason"),
+                            "logprobs": None})
+            self._record(headers, rollout_id, requested_model, result.get("id"), index,
+                         choice.get("prompt_token_ids") or [], choice.get("token_ids") or [], logprobs, started, ended)
+        return {"id": result.get("id"), "object": "text_completion", "created": int(time.time()),
+                "model": requested_model, "choices": choices, "usage": _usage(result)}
+
+    def _record(self, headers: dict[str, str], rollout_id: str | None, requested_model: str, response_id: Any,
+                index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started: int,
+                ended: int) -> None:
+        attributes = {
+            "lightning.policy.version": self.engine.policy_version, "lightning.engine": self.engine.name,
+            "gen_ai.request.model": requested_model, "lightning.choice.index": index,
+            "lightning.prompt.token_ids": list(prompt_ids), "lightning.completion.token_ids": list(completion_ids),
+            "lightning.completion.logprobs": [float(x) if x is not None else float("nan") for x in logprobs],
+        }
+        if response_id:
+            attributes["gen_ai.response.id"] = str(response_id)
+        if rollout_id:
+            attributes["lightning.rollout.id"] = rollout_id
+        span = self.tracer.start_span(GENERATE_SPAN, context=extract(headers), kind=SpanKind.SERVER,
+                                      start_time=started, attributes=attributes)
+        span.end(end_time=ended)
+
+
+def _has_tool_messages(messages: list[dict]) -> bool:
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def _usage(result: dict) -> dict:
+    usage = result.get("usage") or {}
+    return {k: usage.get(k, 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def _pieces(choice: dict) -> list[str]:
+    """The generated text split at token boundaries (for streaming), from the engine's logprobs."""
+    return [t.get("token", "") for t in ((choice.get("logprobs") or {}).get("content") or [])]
+
+
+def _stream_events(response: dict, include_usage: bool) -> list[bytes]:
+    """SSE chunks equivalent to the finished response: role, content token by token, tool calls, finish."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+    events = []
+
+    def chunk(choices: list[dict], **extra) -> None:
+        events.append(b"data: " + json.dumps({**base, "choices": choices, **extra}).encode() + b"\n\n")
+
+    for choice, pieces in zip(response["choices"], response["_token_pieces"]):
+        index, message = choice["index"], choice["message"]
+        chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        content = message.get("content") or ""
+        if message.get("tool_calls"):
+            if content:
+                chunk([{"index": index, "delta": {"content": content}, "finish_reason": None}])
+            calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
+        else:
+            # Token pieces rebuild the content exactly when the engine's tokens decode one by one.
+            parts = pieces if "".join(pieces) == content else [content]
+            for part in parts:
+                if part:
+                    chunk([{"index": index, "delta": {"content": part}, "finish_reason": None}])
+        chunk([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}])
+    if include_usage:
+        chunk([], usage=response["usage"])
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, address, handler, gateway: Gateway):
+        self.gateway = gateway
+        super().__init__(address, handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _route(self) -> tuple[str | None, str]:
+        path = self.path.split("?", 1)[0]
+        if path.startswith("/r/"):
+            _, _, rest = path.partition("/r/")
+            rollout_id, _, tail = rest.partition("/")
+            return (rollout_id or None), "/" + tail
+        return self.headers.get("X-Lightning-Rollout-Id"), path
+
+    def _json(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> None:
+        self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+    def do_GET(self) -> None:  # noqa: N802
+        _, path = self._route()
+        if path in ("/v1/models", "/models"):
+            engine = self.server.gateway.engine
+            return self._json(200, {"object": "list", "data": [
+                {"id": engine.model_name, "object": "model", "owned_by": "lightning-otel",
+                 "policy_version": engine.policy_version}]})
+        if path == "/health":
+            return self._json(200, {"status": "ok"})
+        self._error(404, f"no endpoint GET {path}", "not_found")
+
+    def do_POST(self) -> None:  # noqa: N802
+        rollout_id, path = self._route()
+        gateway = self.server.gateway
+        try:
+            length = int(self.headers.get("Content-Length") or -1)
+        except ValueError:
+            length = -1
+        if length < 0:
+            self.close_connection = True
+            return self._error(411, "Content-Length is required")
+        if length > gateway.config.max_body_bytes:
+            self.close_connection = True
+            return self._error(413, f"request body of {length} bytes is over the {gateway.config.max_body_bytes}-byte limit")
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._error(400, f"the request body is not valid JSON: {exc}")
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        try:
+            if path in ("/v1/chat/completions", "/chat/completions"):
+                response = gateway.chat(body, headers, rollout_id)
+                if body.get("stream"):
+                    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    return self._stream(_stream_events(response, include_usage))
+                response.pop("_token_pieces", None)
+                return self._json(200, response)
+            if path in ("/v1/completions", "/completions"):
+                return self._json(200, gateway.complete(body, headers, rollout_id))
+            return self._error(404, f"no endpoint POST {path}", "not_found")
+        except BadRequest as exc:
+            return self._error(exc.status, exc.message, param=exc.param)
+        except EngineError as exc:
+            error = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {"message": str(exc)}
+            return self._json(exc.status, {"error": {**error, "code": exc.status}})
+        except Exception as exc:  # noqa: BLE001 - one bad request must not take the gateway down
+            log.exception("gateway error on %s", path)
+            return self._error(500, f"internal error: {exc}", "server_error")
+
+    def _stream(self, events: list[bytes]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.close_connection = True
+        self.end_headers()
+        for event in events:
+            self.wfile.write(event)
+            self.wfile.flush()

