@@ -314,8 +314,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return self._error(411, "Content-Length is required")
         if length > gateway.config.max_body_bytes:
-            self.close_connection = True
-            return self._error(413, f"request body of {length} bytes is over the {gateway.config.max_body_bytes}-byte limit")
+            while length > 0:  # read and drop it in pieces, so the client sees the answer, not a reset
+                piece = self.rfile.read(min(length, 1 << 16))
+                if not piece:
+                    break
+                length -= len(piece)
+            return self._error(413, f"request body is over the {gateway.config.max_body_bytes}-byte limit")
         raw = self.rfile.read(length)
         try:
             body = json.loads(raw)

