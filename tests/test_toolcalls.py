@@ -1,0 +1,71 @@
+"""Hermes-style tool calls: rendering OpenAI tool messages into text and parsing calls out of text."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_otel.toolcalls import HermesToolFormat, tool_format
+
+TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "Run SQL",
+                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+hermes = HermesToolFormat()
+
+
+def test_parse_one_and_several_calls():
+    text = 'Let me check.\n<tool_call>\n{"name": "execute_sql", "arguments": {"query": "SELECT 1"}}\n</tool_call>'
+    parsed = hermes.parse(text, tools_offered=True)
+    assert parsed.content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == \
+        [("execute_sql", {"query": "SELECT 1"})]
+    assert parsed.tool_calls[0]["id"].startswith("call_") and parsed.tool_calls[0]["type"] == "function"
+    two = ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": "{\\"x\\": 1}"}'
+           '</tool_call>')
+    calls = hermes.parse(two, tools_offered=True).tool_calls
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert calls[1]["function"]["arguments"] == '{"x": 1}'
+    assert hermes.parse(two, tools_offered=True).content is None
+
+
+@pytest.mark.parametrize("text", [
+    "plain answer",
+    "<tool_call>not json</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>["execute_sql"]</tool_call>',
+])
+def test_text_that_is_not_a_call_stays_content(text):
+    parsed = hermes.parse(text, tools_offered=True)
+    assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_no_parsing_without_tools_and_unterminated_calls():
+    text = '<tool_call>{"name": "execute_sql", "arguments": {}}</tool_call>'
+    assert hermes.parse(text, tools_offered=False).tool_calls == []
+    cut = '<tool_call>\n{"name": "execute_sql", "arguments": {"query": "SELECT 2"}}'  # stopped at max_tokens
+    assert hermes.parse(cut, tools_offered=True).tool_calls[0]["function"]["name"] == "execute_sql"
+
+
+def test_render_puts_tools_in_the_system_prompt_and_tool_turns_in_text():
+    messages = [
+        {"role": "system", "content": "You write SQL."},
+        {"role": "user", "content": [{"type": "text", "text": "How many?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "execute_sql", "arguments": '{"query": "SELECT 1"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "[[3]]"},
+    ]
+    out = hermes.render_messages(messages, TOOLS)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("You write SQL.") and '"name": "execute_sql"' in out[0]["content"]
+    assert out[1]["content"] == "How many?"
+    assert json.loads(out[2]["content"].split("<tool_call>\n")[1].split("\n</tool_call>")[0]) == \
+        {"name": "execute_sql", "arguments": {"query": "SELECT 1"}}
+    assert out[3]["content"] == "<tool_response>\n[[3]]\n</tool_response>"
+    assert all(isinstance(m["content"], str) for m in out)
+    # A rendered call parses back to the same call.
+    again = hermes.parse(out[2]["content"], tools_offered=True).tool_calls[0]["function"]
+    assert again["name"] == "execute_sql" and json.loads(again["arguments"]) == {"query": "SELECT 1"}
+
+
+def test_unknown_format():
+    with pytest.raises(ValueError, match="unknown tool format"):
+        tool_format("nope")
