@@ -188,7 +188,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from lightning_otel.runner import RolloutConfig, run_rollouts
 
     config = RolloutConfig(tasks=args.tasks, agent=args.agent, n=args.n, concurrency=args.concurrency, db=args.db,
-                           base_url=args.base_url, api_key=args.api_key, model=args.model, reward=args.reward,
+                           base_url=args.base_url, api_key=args.api_key, model=args.model,
+                           model_name=args.model_name, reward=args.reward,
                            data_dir=args.data_dir, timeout_s=args.timeout)
     summary = run_rollouts(config, progress=Progress("rollouts").update)
     print(f"{len(summary.results)} rollouts: {summary.count('ok')} ok, {summary.count('failed')} failed, "
@@ -303,9 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=4, help="samples per task (default: 4)")
     p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
     _add_db(p)
-    p.add_argument("--base-url", help="OpenAI-compatible endpoint the agents call (OPENAI_BASE_URL)")
+    p.add_argument("--model", help="policy to serve: a local Hugging Face model folder (default: the bundled "
+                                   "SmolLM2-135M-Instruct), through vLLM and the token-recording gateway")
+    p.add_argument("--base-url", help="instead of serving --model: an outside OpenAI-compatible endpoint the "
+                                      "agents call (no token records)")
     p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")
-    p.add_argument("--model", default="policy", help="model name for {model} and LIGHTNING_MODEL")
+    p.add_argument("--model-name", default="policy", help="model name for {model} and LIGHTNING_MODEL "
+                                                          "(the gateway serves the policy under any name)")
     p.add_argument("--reward", help="reward function: a registered name (spider_exec) or module:function")
     p.add_argument("--data-dir", type=Path, help="Spider-layout data folder for {db_path} (default: bundled)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")

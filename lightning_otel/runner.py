@@ -1,7 +1,10 @@
 """The rollout runner: run an unchanged agent command over a task file, n samples per task.
 
     lightning-otel rollout --tasks dev.jsonl --agent "python agent.py --question {question} --db {db_path}" \\
-        -n 4 --concurrency 2 --db traces.duckdb --reward spider_exec --base-url http://127.0.0.1:8000/v1
+        -n 4 --concurrency 2 --db traces.duckdb --reward spider_exec
+
+With no --base-url, the runner serves the policy (the bundled model, or --model PATH) with the vLLM engine
+behind the token-recording gateway, and points each agent at its own gateway prefix.
 
 Each rollout is a subprocess under `opentelemetry-instrument` with our distro, given (DESIGN §7):
 OPENAI_BASE_URL, OPENAI_API_KEY, OTEL_RESOURCE_ATTRIBUTES (lightning.rollout.id, lightning.task.id,
@@ -52,11 +55,11 @@ class RolloutConfig:
     db: Path = Path("traces.duckdb")
     base_url: str | None = None
     api_key: str | None = None
-    model: str = "policy"
+    model: str | None = None
+    model_name: str = "policy"
     reward: str | None = None
     data_dir: Path | None = None
     timeout_s: float = 300.0
-    policy_version: int = 0
     work_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -70,9 +73,9 @@ class RolloutConfig:
             raise UserError(f"--timeout {self.timeout_s} must be positive (seconds)")
         if not self.agent.strip():
             raise UserError("--agent is empty: give the command that runs your agent")
-        if self.base_url is None:
-            raise UserError("no model endpoint: give --base-url of an OpenAI-compatible server "
-                            "(the rollout gateway over the bundled model is not built yet)")
+        if self.base_url is not None and self.model is not None:
+            raise UserError("give --model (served here through the gateway) or --base-url (an outside "
+                            "OpenAI-compatible server, no token records), not both")
 
 
 @dataclass
@@ -181,8 +184,11 @@ except (OSError, AttributeError):
 
 class Runner:
     def __init__(self, config: RolloutConfig, collector_url: str, collector_token: str | None,
-                 write_records: Callable[[str, list[dict]], int], spans_of: Callable[[str], list[dict]]):
+                 write_records: Callable[[str, list[dict]], int], spans_of: Callable[[str], list[dict]],
+                 base_url_for: Callable[[str], str], policy_version: int = 0):
         self.config = config
+        self.base_url_for = base_url_for
+        self.policy_version = policy_version
         self.collector_url = collector_url
         self.collector_token = collector_token
         self.write_records = write_records
@@ -222,7 +228,7 @@ class Runner:
         folder = work / rollout_id
         folder.mkdir()
         values = {str(k): str(v) for k, v in task.fields.items()}
-        values.update(model=self.config.model, rollout_id=rollout_id, attempt=str(attempt), task_id=task.task_id)
+        values.update(model=self.config.model_name, rollout_id=rollout_id, attempt=str(attempt), task_id=task.task_id)
         if "db_id" in task.fields:
             source = database_path(self.config.data_dir, str(task.fields["db_id"]))
             if source.is_file():
@@ -238,9 +244,9 @@ class Runner:
     def _environment(self, rollout_id: str, task: Task, attempt: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
-            "OPENAI_BASE_URL": self.config.base_url or "",
+            "OPENAI_BASE_URL": self.base_url_for(rollout_id),
             "OPENAI_API_KEY": self.config.api_key or env.get("OPENAI_API_KEY") or "lightning-otel",
-            "LIGHTNING_MODEL": self.config.model,
+            "LIGHTNING_MODEL": self.config.model_name,
             "LIGHTNING_OTEL_ENDPOINT": self.collector_url,
             "OTEL_PYTHON_DISTRO": "lightning_otel",
             "OTEL_PYTHON_CONFIGURATOR": "lightning_otel",
@@ -274,7 +280,7 @@ class Runner:
                 stdout, stderr = proc.communicate()
                 status, error_class, exit_code = "timeout", "Timeout", proc.returncode
         lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-        return RolloutResult(rollout_id, task.task_id, attempt, self.config.policy_version, status, error_class,
+        return RolloutResult(rollout_id, task.task_id, attempt, self.policy_version, status, error_class,
                              exit_code, started, time.time_ns(), lines[-1] if lines else None,
                              stdout[-TAIL_CHARS:], stderr[-TAIL_CHARS:], shlex.join(command))
 
@@ -293,29 +299,57 @@ class Runner:
         return value
 
 
-def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, int], None] | None = None
-                 ) -> RolloutSummary:
-    """Start a collector on config.db unless one runs, run every rollout, stop what was started."""
+def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, int], None] | None = None,
+                 engine=None) -> RolloutSummary:
+    """Start what is not running (collector on config.db; engine and gateway unless --base-url points
+    elsewhere or an engine is given), run every rollout, stop what was started."""
+    from contextlib import ExitStack
+
     from lightning_otel.span_store import client, discovery
     from lightning_otel.span_store.collector import Collector, CollectorConfig
 
     tasks = load_tasks(config.tasks)
     check_inputs(config, tasks)
-    info = discovery.find_collector(config.db)
-    owned = None
-    if info is None:
-        owned = Collector(CollectorConfig(db=config.db, port=0))
-        owned.start()
-        info = owned.info
-    try:
+    with ExitStack() as owned:
+        info = discovery.find_collector(config.db)
+        if info is None:
+            collector = Collector(CollectorConfig(db=config.db, port=0))
+            collector.start()
+            owned.callback(collector.close)
+            info = collector.info
+        policy_version = 0
+        if config.base_url is not None:
+            def base_url_for(rollout_id: str) -> str:
+                return config.base_url  # type: ignore[return-value]
+        else:
+            gateway = start_gateway(config, info, engine, owned)
+            policy_version = gateway.engine.policy_version
+            base_url_for = gateway.base_url
+
         def spans_of(rollout_id: str) -> list[dict]:
             quoted = rollout_id.replace("'", "''")
             return client.query(f"SELECT * FROM spans WHERE rollout_id = '{quoted}' ORDER BY start_ns",
                                 config.db).to_dicts()
 
-        runner = Runner(config, info.url, info.token,
-                        lambda table, rows: client.write_records(config.db, table, rows), spans_of)
+        runner = Runner(config, info.url, info.token, lambda table, rows: client.write_records(config.db, table, rows),
+                        spans_of, base_url_for, policy_version)
         return runner.run(tasks, progress)
-    finally:
-        if owned is not None:
-            owned.close()
+
+
+def start_gateway(config: RolloutConfig, collector_info, engine, owned):
+    """The gateway over `engine`, or over a vLLM engine started here on config.model (bundled by default)."""
+    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.gateway import Gateway, GatewayConfig, template_renders_tools
+    from lightning_otel.model import resolve_model
+
+    if engine is None:
+        python = default_engine_python()
+        engine = VLLMEngine(EngineConfig(model_dir=resolve_model(config.model, python), python=python))
+        log.info("starting the vLLM engine (about a minute on CPU)")
+        engine.start()
+        owned.callback(engine.stop)
+    gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url, collector_token=collector_info.token,
+                                            native_tools=template_renders_tools(engine.config.model_dir)))
+    gateway.start()
+    owned.callback(gateway.close)
+    return gateway

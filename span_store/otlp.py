@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,6 +21,14 @@ import pyarrow as pa
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+try:
+    from lightning_otel.span_store import _otlp_fast
+except ImportError:  # built without a C compiler: the pure-Python decoder does the same work, slower
+    _otlp_fast = None
+
+# The C decoder of protobuf traces, when built; LIGHTNING_OTEL_PURE_PYTHON=1 forces the Python reference.
+FAST_DECODER = _otlp_fast is not None and os.environ.get("LIGHTNING_OTEL_PURE_PYTHON", "") != "1"
 
 
 class DecodeFailure(ValueError):
@@ -85,7 +94,7 @@ def _dumps(value: Any) -> str:
 def _as_int(value: Any) -> int | None:
     try:
         number = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
         return None
     return number if -INT64_MAX - 1 <= number <= INT64_MAX else None
 
@@ -318,6 +327,17 @@ class _SpanColumns:
 # ---- traces ----------------------------------------------------------------------------------------
 
 def decode_traces_protobuf(body: bytes) -> Decoded:
+    """The C decoder when built (same rows as the Python reference, ~5x faster), else the reference."""
+    if not FAST_DECODER:
+        return decode_traces_protobuf_python(body)
+    try:
+        columns, rejected, errors = _otlp_fast.decode_traces(body, time.time_ns())
+    except ValueError as exc:
+        raise DecodeFailure(f"body is not a protobuf ExportTraceServiceRequest: {exc}") from None
+    return Decoded(pa.Table.from_pydict(columns, schema=SPAN_SCHEMA), rejected, errors)
+
+
+def decode_traces_protobuf_python(body: bytes) -> Decoded:
     request = ExportTraceServiceRequest()
     try:
         request.ParseFromString(body)

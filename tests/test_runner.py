@@ -33,7 +33,7 @@ AGENT = textwrap.dedent("""
     if "crash" in args.question:
         sys.exit(3)
     if "hang" in args.question:
-        time.sleep(60)
+        time.sleep(600)
     print("thinking...")
     print("SELECT count(*) FROM singer" if "How many" in args.question else "SELECT Name FROM singer")
 """)
@@ -61,7 +61,7 @@ def setup(tmp_path: Path):
 def config(agent_script: Path, tasks: Path, db: Path, **kw) -> RolloutConfig:
     import sys
     defaults = dict(tasks=tasks, agent=f"{sys.executable} {agent_script} --question {{question}} --db {{db_path}}", n=2,
-                    concurrency=3, db=db, base_url="http://127.0.0.1:9/v1", reward="spider_exec", timeout_s=8)
+                    concurrency=3, db=db, base_url="http://127.0.0.1:9/v1", reward="spider_exec", timeout_s=20)
     defaults.update(kw)
     return RolloutConfig(**defaults)
 
@@ -111,7 +111,7 @@ def test_wrong_answers_score_zero_and_no_gold_means_no_reward(setup, db_path, tm
     (dict(agent=f"{sys.executable} agent.py --q {{nonexistent_field}}"), "no field(s) ['nonexistent_field']"),
     (dict(reward="nope"), "unknown reward"),
     (dict(n=0), "at least 1"),
-    (dict(base_url=None), "--base-url"),
+    (dict(model="/nonexistent/model"), "not both"),
 ])
 def test_bad_inputs_fail_before_any_rollout(setup, db_path, change, needle):
     agent, tasks = setup
@@ -147,10 +147,51 @@ def test_rollout_cli(setup, db_path, capsys):
     code = main(["rollout", "--tasks", str(tasks), "--agent",
                  f"{sys.executable} {agent} --question {{question}} --db {{db_path}}", "-n", "1",
                  "--concurrency", "5", "--db", str(db_path), "--base-url", "http://127.0.0.1:9/v1",
-                 "--reward", "spider_exec", "--timeout", "5"])
+                 "--reward", "spider_exec", "--timeout", "20"])
     captured = capsys.readouterr()
     assert code == 0
     assert "5 rollouts: 3 ok, 1 failed, 1 timed out, 0 could not start" in captured.out
     assert "rollouts [" in captured.err and "5/5" in captured.err
     assert main(["rollout", "--tasks", str(tasks), "--agent", "nope {question}", "--db", str(db_path),
                  "--base-url", "http://x"]) == 2
+
+
+SQL_AGENT = textwrap.dedent("""
+    # An unchanged OpenAI SDK agent: asks for SQL, prints the answer's first line as its final output.
+    import argparse, os, openai
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--question")
+    args = parser.parse_args()
+    client = openai.OpenAI()
+    answer = client.chat.completions.create(
+        model=os.environ.get("LIGHTNING_MODEL", "gpt-4o"), max_tokens=32, temperature=1.0,
+        messages=[{"role": "system", "content": "Answer with one SQLite query."},
+                  {"role": "user", "content": args.question}]).choices[0].message.content
+    print((answer.strip().splitlines() or [""])[0])
+""")
+
+
+def test_rollouts_through_the_gateway_are_token_exact(engine, db_path, tmp_path):
+    agent = tmp_path / "sql_agent.py"
+    agent.write_text(SQL_AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines()
+            if json.loads(line)["db_id"] == "singer"][:2]
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}}",
+                                         n=2, concurrency=4, db=db_path, reward="spider_exec", timeout_s=120),
+                           engine=engine)
+    assert [r.status for r in summary.results] == ["ok"] * 4
+    assert all(r.reward in (0.0, 1.0) for r in summary.results)
+    joined = client.query("""
+        SELECT r.rollout_id, r.policy_version, count(c.span_id) AS calls, count(g.span_id) AS records,
+               bool_and(g.rollout_id = r.rollout_id) AS same_rollout
+        FROM rollouts r JOIN llm_calls c ON c.rollout_id = r.rollout_id
+        LEFT JOIN generations g ON g.trace_id = c.trace_id AND g.llm_span_id = c.span_id
+        GROUP BY ALL""", db_path).to_dicts()
+    assert len(joined) == 4
+    assert all(j["calls"] == 1 and j["records"] == 1 and j["same_rollout"] and j["policy_version"] == 0
+               for j in joined)
+    groups = client.query("SELECT task_id, count(*) AS n, count(DISTINCT attempt) AS attempts FROM rollouts "
+                          "GROUP BY 1", db_path).to_dicts()
+    assert sorted((g["n"], g["attempts"]) for g in groups) == [(2, 2), (2, 2)]
