@@ -13,7 +13,7 @@ from lightning_otel import cli
 from lightning_otel.span_store import store
 
 
-def insert_row_by_row(con, kind: str, batch: pa.Table) -> None:
+def insert_row_by_row(con, kind: str, batch: pa.Table, skip_duplicates: bool = True) -> None:
     table = "spans" if kind == "traces" else "logs"
     names = batch.column_names
     sql = f"INSERT OR IGNORE INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"

@@ -28,7 +28,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
     config = CollectorConfig(db=args.db, host=args.host, port=args.port, token=args.token,
                              max_body_bytes=args.max_body_bytes, max_pending_rows=args.max_pending_rows,
-                             memory_limit=args.memory_limit, decode_workers=args.decode_workers)
+                             memory_limit=args.memory_limit,
+                             **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}))
     run_collector(config)
     return 0
 
@@ -247,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending-rows", type=int, default=200_000,
                    help="rows waiting for a commit before senders are told to retry (503)")
     p.add_argument("--memory-limit", default="2GB", help="DuckDB memory limit (default: 2GB)")
-    p.add_argument("--decode-workers", type=int, default=min(os.cpu_count() or 1, 4),
-                   help="processes that decode OTLP bodies (default: cores, at most 4; 0 = in the server)")
+    p.add_argument("--decode-workers", type=int, default=None,
+                   help="processes that decode OTLP bodies (default: cores - 1, 1 to 4; 0 = in the server)")
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("sql", help="run a read-only SQL query over the trace store",

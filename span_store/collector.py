@@ -55,7 +55,10 @@ class CollectorConfig:
     retry_after_s: int = 1
     query_timeout_s: float = 120.0
     memory_limit: str = "2GB"
-    decode_workers: int = field(default_factory=lambda: min(os.cpu_count() or 1, 4))
+    # DuckDB's default (16 MB of WAL) checkpoints every ~13k spans and rewrites the open row group each
+    # time; 256 MB doubled sustained ingest (benchmarks/RESULTS.md) for at most that much WAL to replay.
+    checkpoint_threshold: str = "256MB"
+    decode_workers: int = field(default_factory=lambda: default_decode_workers())
 
     def __post_init__(self) -> None:
         self.db = Path(self.db)
@@ -69,6 +72,11 @@ class CollectorConfig:
             raise UserError("--decode-workers must be 0 (decode in the server process) or more")
         if self.token == "":
             raise UserError("--token is empty: give a token, or leave it out to accept requests without one")
+
+
+def default_decode_workers() -> int:
+    """One core stays with the writer (DuckDB inserts); the others decode, at most 4."""
+    return max(1, min((os.cpu_count() or 1) - 1, 4))
 
 
 class RequestError(Exception):
@@ -111,7 +119,8 @@ class Collector:
         self.config = config
         self.db = config.db.absolute()
         self._claim_discovery_file()
-        self.con = store.connect(self.db, memory_limit=config.memory_limit)
+        self.con = store.connect(self.db, memory_limit=config.memory_limit,
+                                 checkpoint_threshold=config.checkpoint_threshold)
         self.writer = BatchWriter(self.con, config.max_pending_rows)
         self.reader = store.Reader(self.con, timeout_s=config.query_timeout_s)
         self._inflight = threading.BoundedSemaphore(config.max_inflight_requests)

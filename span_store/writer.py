@@ -124,12 +124,12 @@ class BatchWriter:
     def _commit(self, batch: list[Pending]) -> None:
         started = time.perf_counter()
         try:
-            self.con.execute("BEGIN TRANSACTION")
-            for kind in ("traces", "logs"):
-                tables = [p.table for p in batch if p.kind == kind and p.table.num_rows]
-                if tables:
-                    store.insert_batch(self.con, kind, pa.concat_tables(tables))
-            self.con.execute("COMMIT")
+            try:
+                self._insert_all(batch, skip_duplicates=False)
+            except duckdb.ConstraintException:
+                # A row was already stored (an exporter retry): redo the group, skipping duplicates.
+                self.con.execute("ROLLBACK")
+                self._insert_all(batch, skip_duplicates=True)
         except BaseException as exc:  # noqa: BLE001 - every sender gets the error
             log.exception("writing %d batches failed", len(batch))
             try:
@@ -147,3 +147,11 @@ class BatchWriter:
             self.on_commit(n_rows, time.perf_counter() - started)
         for pending in batch:
             pending.done.set()
+
+    def _insert_all(self, batch: list[Pending], skip_duplicates: bool) -> None:
+        self.con.execute("BEGIN TRANSACTION")
+        for kind in ("traces", "logs"):
+            tables = [p.table for p in batch if p.kind == kind and p.table.num_rows]
+            if tables:
+                store.insert_batch(self.con, kind, pa.concat_tables(tables), skip_duplicates)
+        self.con.execute("COMMIT")

@@ -182,3 +182,12 @@ def test_second_collector_on_the_same_file_names_the_holder(collector, db_path):
     with pytest.raises(UserError, match=f"pid {collector.info.pid}"):
         from lightning_otel.span_store.collector import Collector, CollectorConfig
         Collector(CollectorConfig(db=db_path, port=0))
+
+
+def test_a_batch_mixing_stored_and_new_spans_keeps_the_new_ones(collector, db_path):
+    first = sample_request(3, seed=40)
+    assert post(collector.url + "/v1/traces", first.SerializeToString())[0] == 200
+    mixed = sample_request(2, seed=41)
+    mixed.resource_spans[0].scope_spans[0].spans.extend(first.resource_spans[0].scope_spans[0].spans)
+    assert post(collector.url + "/v1/traces", mixed.SerializeToString())[0] == 200
+    assert count(db_path) == 5

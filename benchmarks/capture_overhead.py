@@ -1,0 +1,117 @@
+"""Client-side capture overhead per LLM call, side by side in one process:
+
+  none       the OpenAI SDK alone
+  traceloop  Traceloop's OpenAI instrumentation + the OTel SDK exporting OTLP/HTTP to the collector
+  ours       the same through lightning-otel's distro pieces (baggage processor, lightning exporter,
+             redaction on), i.e. what `opentelemetry-instrument` sets up with this package installed
+
+against a fast local OpenAI-compatible server (canned answers, so the model's time does not hide the
+overhead). Rounds alternate between the three to spread machine noise evenly.
+
+    .venv/bin/python benchmarks/capture_overhead.py --calls 300 --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ANSWER = json.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "gpt-4o",
+    "choices": [{"index": 0, "finish_reason": "stop",
+                 "message": {"role": "assistant", "content": "SELECT count(*) FROM singer WHERE age > 30"}}],
+    "usage": {"prompt_tokens": 60, "completion_tokens": 12, "total_tokens": 72}}).encode()
+
+
+class FastServer(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(ANSWER)))
+        self.end_headers()
+        self.wfile.write(ANSWER)
+
+
+def calls(client, n: int) -> float:
+    messages = [{"role": "system", "content": "You write one SQLite query."},
+                {"role": "user", "content": "How many singers are older than 30? Table singer(name, age)."}]
+    started = time.perf_counter()
+    for _ in range(n):
+        client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=64)
+    return (time.perf_counter() - started) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    import openai
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.instrumentation.openai import OpenAIInstrumentor
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from lightning_otel import distro
+    from lightning_otel.span_store.collector import Collector, CollectorConfig
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FastServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    collector = Collector(CollectorConfig(db=Path(tempfile.mkdtemp()) / "bench.duckdb", port=0))
+    collector.start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="k")
+    os.environ["TRACELOOP_TRACE_CONTENT"] = "true"
+    os.environ[distro.REDACT_ENV] = r"sk-[A-Za-z0-9]+"
+
+    def traceloop_provider() -> TracerProvider:
+        provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{collector.url}/v1/traces")))
+        return provider
+
+    def our_provider() -> TracerProvider:
+        provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+        provider.add_span_processor(distro.BaggageToAttributes())
+        provider.add_span_processor(distro._export_processor(distro.LightningSpanExporter(endpoint=collector.url)))  # noqa: SLF001
+        return provider
+
+    setups = {"none": None, "traceloop": traceloop_provider, "ours": our_provider}
+    results: dict[str, list[float]] = {name: [] for name in setups}
+    calls(client, 30)  # warm up connections and imports
+    for _ in range(args.rounds):
+        for name, make in setups.items():
+            provider = make() if make else None
+            instrumentor = OpenAIInstrumentor()
+            if provider:
+                instrumentor.instrument(tracer_provider=provider)
+            results[name].append(calls(client, args.calls))
+            if provider:
+                instrumentor.uninstrument()
+                provider.shutdown()
+    collector.close()
+    server.shutdown()
+    median = {name: statistics.median(values) * 1e6 for name, values in results.items()}
+    print(json.dumps({k: round(v, 1) for k, v in median.items()}))
+    print("\n| setup | µs per call (median of rounds) | over none | over traceloop |")
+    print("| --- | --- | --- | --- |")
+    for name, us in median.items():
+        print(f"| {name} | {us:.0f} | {us - median['none']:+.0f} µs | "
+              f"{(us / median['traceloop'] - 1) * 100:+.1f}% |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The gateway against calling the vLLM server directly with the same requests, in one run:
+
+  direct    POST /v1/chat/completions to vLLM (asking for token ids and logprobs, as the gateway does)
+  gateway   the same requests through the gateway, which also records a lightning.generate span per choice
+
+Reports sequential latency per call and throughput with K concurrent clients, plus the cost of the token
+record itself (building and ending the span with its id arrays), measured in-process.
+
+    .venv/bin/python benchmarks/gateway_overhead.py --requests 64 --concurrency 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def body(i: int, direct: bool) -> dict:
+    payload = {"model": "policy" if direct else "gpt-4o", "max_tokens": 16, "temperature": 0.0, "seed": i,
+               "messages": [{"role": "user", "content": f"Write a SQL query number {i} over table singer."}]}
+    if direct:
+        payload.update(return_token_ids=True, logprobs=True)
+    return payload
+
+
+def throughput(url: str, n: int, concurrency: int, direct: bool) -> float:
+    counter = iter(range(n))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            post(url, body(i, direct))
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return n / (time.perf_counter() - started)
+
+
+def latency(url: str, n: int, direct: bool) -> float:
+    times = []
+    for i in range(n):
+        started = time.perf_counter()
+        post(url, body(i, direct))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.gateway import Gateway, GatewayConfig
+    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.span_store.collector import Collector, CollectorConfig
+
+    python = default_engine_python(Path(__file__).resolve().parent.parent)
+    engine = VLLMEngine(EngineConfig(model_dir=bundled_model_dir(python), python=python))
+    engine.start()
+    collector = Collector(CollectorConfig(db=Path(tempfile.mkdtemp()) / "bench.duckdb", port=0))
+    collector.start()
+    gateway = Gateway(engine, GatewayConfig(collector_url=collector.url))
+    gateway.start()
+    try:
+        direct_url, gateway_url = f"{engine.url}/v1/chat/completions", f"{gateway.url}/v1/chat/completions"
+        post(direct_url, body(0, True))
+        post(gateway_url, body(0, False))
+        rows = {"direct": {"lat": [], "tput": []}, "gateway": {"lat": [], "tput": []}}
+        for _ in range(args.rounds):
+            for name, url in (("direct", direct_url), ("gateway", gateway_url)):
+                rows[name]["lat"].append(latency(url, 16, name == "direct"))
+                rows[name]["tput"].append(throughput(url, args.requests, args.concurrency, name == "direct"))
+        # The token record alone: one span with ~200 prompt and 64 completion ids and logprobs.
+        n = 2000
+        started = time.perf_counter()
+        for i in range(n):
+            gateway._record({}, "ro-bench", "gpt-4o", "id", 0, list(range(200)), list(range(64)),  # noqa: SLF001
+                            [-0.5] * 64, 0, 1)
+        record_us = (time.perf_counter() - started) / n * 1e6
+    finally:
+        gateway.close()
+        collector.close()
+        engine.stop()
+    lat = {k: statistics.median(v["lat"]) for k, v in rows.items()}
+    tput = {k: statistics.median(v["tput"]) for k, v in rows.items()}
+    print(json.dumps({"latency_ms": lat, "requests_per_s": tput, "record_us": record_us}))
+    print("\n| path | median latency, sequential (ms) | requests/s with "
+          f"{args.concurrency} clients | ratio to direct |")
+    print("| --- | --- | --- | --- |")
+    for name in ("direct", "gateway"):
+        print(f"| {name} | {lat[name]:.1f} | {tput[name]:.1f} | {tput[name] / tput['direct']:.3f} |")
+    print(f"\ntoken record (span with id arrays): {record_us:.0f} µs per call")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
