@@ -242,6 +242,9 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes; with Nagle on, keep-alive clients wait ~40 ms for the
+    # delayed ACK before the body arrives.
+    disable_nagle_algorithm = True
     server: _Server
     server_version = f"lightning-otel/{lightning_otel.__version__}"
 
