@@ -18,7 +18,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from opentelemetry.trace import SpanKind
 from lightning_otel.distro import LightningSpanExporter
 from lightning_otel.engine import Engine, EngineError
 from lightning_otel.errors import UserError
+from lightning_otel.httpserver import KeepAliveHandler, LocalServer
 from lightning_otel.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
@@ -257,24 +257,14 @@ def _stream_events(response: dict, include_usage: bool) -> list[bytes]:
     return events
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def __init__(self, address, handler, gateway: Gateway):
-        self.gateway = gateway
-        super().__init__(address, handler)
+class _Server(LocalServer):
+    @property
+    def gateway(self) -> Gateway:
+        return self.owner
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    # Headers and body go out in separate writes; with Nagle on, keep-alive clients wait ~40 ms for the
-    # delayed ACK before the body arrives.
-    disable_nagle_algorithm = True
+class _Handler(KeepAliveHandler):
     server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        log.debug("%s %s", self.address_string(), format % args)
 
     def _route(self) -> tuple[str | None, str]:
         path = self.path.split("?", 1)[0]
@@ -317,11 +307,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return self._error(411, "Content-Length is required")
         if length > gateway.config.max_body_bytes:
-            while length > 0:  # read and drop it in pieces, so the client sees the answer, not a reset
-                piece = self.rfile.read(min(length, 1 << 16))
-                if not piece:
-                    break
-                length -= len(piece)
+            self.discard_body(length, 4 * gateway.config.max_body_bytes)
             return self._error(413, f"request body is over the {gateway.config.max_body_bytes}-byte limit")
         raw = self.rfile.read(length)
         try:

@@ -15,13 +15,11 @@ import hmac
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import lightning_otel
 from lightning_otel.errors import UserError
+from lightning_otel.httpserver import KeepAliveHandler, LocalServer
 from lightning_otel.span_store import discovery, otlp, store
 from lightning_otel.span_store.decoding import DecoderPool
 from lightning_otel.span_store.writer import BatchWriter, Busy
@@ -229,27 +228,15 @@ class Collector:
                 "busy_answers": self.busy_answers}
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], handler: type, collector: Collector):
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        self.collector = collector
-        super().__init__(address, handler)
+class _Server(LocalServer):
+    @property
+    def collector(self) -> Collector:
+        return self.owner
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    # Headers and body go out in separate writes; with Nagle on, keep-alive clients wait ~40 ms for the
-    # delayed ACK before the body arrives.
-    disable_nagle_algorithm = True
+class _Handler(KeepAliveHandler):
     server: _Server
     server_version = f"lightning-otel/{lightning_otel.__version__}"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        log.debug("%s %s", self.address_string(), format % args)
 
     # -- plumbing --
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
@@ -338,22 +325,15 @@ class _Handler(BaseHTTPRequestHandler):
             collector._inflight.release()
 
     def _drain(self) -> None:
-        """Read and discard an unread body in small pieces, so the connection stays usable."""
+        """Read an unread body so the connection stays usable (never more than the limit)."""
         if getattr(self, "_body_consumed", False):
             return
         self._body_consumed = True
         try:
-            left = int(self.headers.get("Content-Length") or 0)
+            length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            left = 0
-        if left > self.server.collector.config.max_body_bytes:
-            self.close_connection = True
-            return
-        while left > 0:
-            piece = self.rfile.read(min(left, 1 << 16))
-            if not piece:
-                break
-            left -= len(piece)
+            length = 0
+        self.discard_body(length, self.server.collector.config.max_body_bytes)
 
     def do_GET(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]

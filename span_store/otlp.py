@@ -263,6 +263,16 @@ class _ResourceContext:
         self.attempt = _as_int(resource.get(ATTEMPT_KEY))
 
 
+def _append_identity(columns: dict[str, list], attrs: dict[str, Any], res: _ResourceContext) -> None:
+    """Rollout id, task id and attempt: the record's own attribute first, else its resource's."""
+    rollout = attrs.get(ROLLOUT_ID_KEY)
+    columns["rollout_id"].append(res.rollout_id if rollout is None else str(rollout))
+    task = attrs.get(TASK_ID_KEY)
+    columns["task_id"].append(res.task_id if task is None else str(task))
+    attempt = attrs.get(ATTEMPT_KEY)
+    columns["attempt"].append(res.attempt if attempt is None else _as_int(attempt))
+
+
 class _SpanColumns:
     def __init__(self) -> None:
         self.columns: dict[str, list] = {name: [] for name in SPAN_SCHEMA.names}
@@ -304,13 +314,8 @@ class _SpanColumns:
         c["events"].append(_dumps(events) if events else None)
         c["links"].append(_dumps(links) if links else None)
         c["service_name"].append(res.service_name)
+        _append_identity(c, attrs, res)
         get = attrs.get
-        rollout = get(ROLLOUT_ID_KEY)
-        c["rollout_id"].append(res.rollout_id if rollout is None else str(rollout))
-        task = get(TASK_ID_KEY)
-        c["task_id"].append(res.task_id if task is None else str(task))
-        attempt = get(ATTEMPT_KEY)
-        c["attempt"].append(res.attempt if attempt is None else _as_int(attempt))
         c["operation_name"].append(_as_str(get("gen_ai.operation.name", get("llm.request.type"))))
         c["request_model"].append(_as_str(get("gen_ai.request.model")))
         c["response_model"].append(_as_str(get("gen_ai.response.model")))
@@ -451,12 +456,7 @@ class _LogColumns:
         c["span_id"].append(span_id or None)
         c["flags"].append(flags)
         c["service_name"].append(res.service_name)
-        rollout = attrs.get(ROLLOUT_ID_KEY)
-        c["rollout_id"].append(res.rollout_id if rollout is None else str(rollout))
-        task = attrs.get(TASK_ID_KEY)
-        c["task_id"].append(res.task_id if task is None else str(task))
-        attempt = attrs.get(ATTEMPT_KEY)
-        c["attempt"].append(res.attempt if attempt is None else _as_int(attempt))
+        _append_identity(c, attrs, res)
         c["received_ns"].append(self.received_ns)
 
     def result(self) -> Decoded:
