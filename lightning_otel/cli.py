@@ -221,6 +221,21 @@ class Progress:
         sys.stderr.flush()
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from lightning_otel.train.compile import CompileConfig, compile_transitions
+
+    frame, account = compile_transitions(CompileConfig(db=args.db, reward=args.reward, gamma=args.gamma,
+                                                       advantage=args.advantage, agents=args.agents))
+    frame.write_parquet(args.out)
+    print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts "
+          f"({account.transitions_per_episode:.2f} per episode) -> {args.out}")
+    for reason, count in sorted(account.excluded.items()):
+        print(f"  excluded: {count} rollout(s): {reason}")
+    if account.zero_variance_groups:
+        print(f"  {account.zero_variance_groups} group(s) of (task, policy version) had no reward variance")
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from lightning_otel.span_store.reference import schema_markdown
 
@@ -316,6 +331,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, help="Spider-layout data folder for {db_path} (default: bundled)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")
     p.set_defaults(func=cmd_rollout)
+
+    p = sub.add_parser("compile", help="turn stored rollouts into training transitions (Parquet)",
+                       description="Per rollout: LLM calls in order with their token records, the episode "
+                                   "reward, return and group-normalised advantage.")
+    _add_db(p)
+    p.add_argument("--out", type=Path, required=True, help="Parquet file to write")
+    p.add_argument("--reward", help="reward name (default: the only one stored)")
+    p.add_argument("--gamma", type=float, default=1.0, help="discount per later LLM call (default: 1)")
+    p.add_argument("--advantage", choices=["per-rollout", "per-transition"], default="per-rollout",
+                   help="group statistics over rollouts (default) or transitions (Agent Lightning's legacy)")
+    p.add_argument("--agents", metavar="REGEX", help="train only LLM calls of agents matching this pattern")
+    p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("demo", help="the main job on embedded defaults (for now: a tour of the trace store)")
     p.add_argument("--folder", type=Path, default=Path("lightning-otel-demo"),

@@ -1,0 +1,106 @@
+"""The compiler over a real store: spans from the real OTel SDK through a collector, runner records and
+rewards; every rollout ends in the output or in an exclusion with its reason."""
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+from opentelemetry.trace import SpanKind
+
+from lightning_otel.cli import main
+from lightning_otel.errors import UserError
+from lightning_otel.span_store import client
+from lightning_otel.train.compile import CompileConfig, compile_transitions
+from lightning_otel.train.credit import EPS
+from sdk import tracer_provider
+
+# rollout -> (task, status, reward, [(agent, has token record)] )
+ROLLOUTS = {
+    "r1": ("t1", "ok", 1.0, [("A", True), ("A", True)]),
+    "r2": ("t1", "ok", 0.0, [("B", True)]),
+    "r3": ("t2", "ok", 1.0, [("A", True)]),
+    "r4": ("t2", "ok", 1.0, [("A", True)]),
+    "r5": ("t3", "failed", 1.0, [("A", True)]),
+    "r6": ("t3", "ok", None, [("A", True)]),
+    "r7": ("t3", "ok", 0.0, [("A", True), ("A", False)]),
+    "r8": ("t3", "ok", 1.0, []),
+}
+
+
+@pytest.fixture
+def store(collector, db_path):
+    provider = tracer_provider(collector.url)
+    tracer = provider.get_tracer("agent")
+    for rollout_id, (task, status, reward, calls) in ROLLOUTS.items():
+        ids = {"lightning.rollout.id": rollout_id}
+        with tracer.start_as_current_span("lightning.rollout", attributes=ids):
+            for i, (agent, has_tokens) in enumerate(calls):
+                with tracer.start_as_current_span(f"invoke_agent {agent}", attributes={
+                        **ids, "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": agent}):
+                    with tracer.start_as_current_span("openai.chat", kind=SpanKind.CLIENT, attributes={
+                            **ids, "gen_ai.operation.name": "chat"}):
+                        if has_tokens:
+                            with tracer.start_as_current_span("lightning.generate", attributes={
+                                    **ids, "lightning.choice.index": 0, "lightning.policy.version": 0,
+                                    "lightning.prompt.token_ids": [1, 2, 3 + i],
+                                    "lightning.completion.token_ids": [10 + i, 11],
+                                    "lightning.completion.logprobs": [-0.5, -0.25]}):
+                                pass
+            if not calls:
+                with tracer.start_as_current_span("execute_tool x", attributes=ids):
+                    pass
+        client.write_records(db_path, "rollout_runs", [{"rollout_id": rollout_id, "task_id": task, "attempt": 0,
+                                                        "policy_version": 0, "status": status}])
+        if reward is not None:
+            client.write_records(db_path, "rewards", [{"rollout_id": rollout_id, "name": "exec", "value": reward,
+                                                       "source": "function"}])
+    provider.shutdown()
+    return db_path
+
+
+def test_transitions_and_accounting(store):
+    out, account = compile_transitions(CompileConfig(db=store))
+    assert sorted(out["rollout_id"].unique().to_list()) == ["r1", "r2"]
+    assert account.rollouts == 8 and account.compiled_rollouts == 2 and account.transitions == 3
+    assert dict(account.excluded) == {"rollout failed": 1, "no reward": 1, "LLM call without a token record": 1,
+                                      "no LLM call": 1, "zero-variance group": 2}
+    assert account.zero_variance_groups == 1  # t2 (t3 has no rollout left)
+    assert account.transitions_per_episode == 1.5
+    r1 = out.filter(pl.col("rollout_id") == "r1").sort("turn").to_dicts()
+    assert [(t["turn"], t["agent"], t["prompt_ids"], t["completion_ids"], t["loss_mask"]) for t in r1] == \
+        [(0, "A", [1, 2, 3], [10, 11], [1, 1]), (1, "A", [1, 2, 4], [11, 11], [1, 1])]
+    assert r1[0]["completion_logprobs"] == [-0.5, -0.25]
+    expected = 0.5 / (math.sqrt(0.5) + EPS)
+    assert [t["advantage"] for t in r1] == pytest.approx([expected, expected])
+    assert out.filter(pl.col("rollout_id") == "r2")["advantage"].to_list() == pytest.approx([-expected])
+    assert out.schema["prompt_ids"] == pl.List(pl.Int32) and out.schema["loss_mask"] == pl.List(pl.Int8)
+    assert set(out["token_source"]) == {"engine"}
+
+
+def test_gamma_and_per_transition_advantage(store):
+    out, _ = compile_transitions(CompileConfig(db=store, gamma=0.5, advantage="per-transition"))
+    r1 = out.filter(pl.col("rollout_id") == "r1").sort("turn")
+    assert r1["return"].to_list() == [0.5, 1.0] and r1["reward"].to_list() == [1.0, 1.0]
+    # Members (returns) 0.5, 1.0, 0.0: mean 0.5, sample std 0.5.
+    assert sorted(out["advantage"].to_list()) == pytest.approx([-0.5 / (0.5 + EPS), 0.0, 0.5 / (0.5 + EPS)])
+
+
+def test_agent_selection(store):
+    out, account = compile_transitions(CompileConfig(db=store, agents="^A$"))
+    assert out.height == 0  # r2's only call is agent B, so t1 keeps one rollout: no variance left
+    assert account.excluded["no LLM call of the selected agents"] == 2  # r2 and r8
+
+
+def test_cli_and_bad_options(store, tmp_path, capsys):
+    target = tmp_path / "t.parquet"
+    assert main(["compile", "--db", str(store), "--out", str(target)]) == 0
+    assert pl.read_parquet(target).height == 3
+    assert "3 transitions from 2 of 8 rollouts (1.50 per episode)" in capsys.readouterr().out
+    for config, needle in [(dict(gamma=0), "--gamma"), (dict(advantage="x"), "--advantage"),
+                           (dict(agents="("), "regular expression")]:
+        with pytest.raises(UserError, match=needle):
+            CompileConfig(db=store, **config)
+    client.write_records(store, "rewards", [{"rollout_id": "r1", "name": "other", "value": 1.0, "source": "function"}])
+    with pytest.raises(UserError, match="choose one with --reward"):
+        compile_transitions(CompileConfig(db=store))

@@ -1,0 +1,78 @@
+"""Credit and advantage functions against hand-computed numbers (DESIGN §4)."""
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+
+from lightning_otel.train.credit import (ADVANTAGES, END, EPS, Call, Reward, advantage_per_rollout,
+                                         advantage_per_transition, discounted_returns)
+
+# Three calls of one rollout, the first two under agent span "A", the third under "B".
+CALLS = [Call(0, 10, frozenset({"A", "root"})), Call(20, 30, frozenset({"A", "root"})),
+         Call(40, 50, frozenset({"B", "root"}))]
+
+
+def test_episode_reward_reaches_every_transition_with_gamma_one():
+    assert discounted_returns(CALLS, [Reward(1.0)]) == [1.0, 1.0, 1.0]
+
+
+def test_episode_reward_is_discounted_by_later_calls():
+    # d = calls starting after t ends: 2, 1, 0.
+    assert discounted_returns(CALLS, [Reward(1.0)], gamma=0.5) == [0.25, 0.5, 1.0]
+
+
+def test_a_scoped_reward_applies_to_its_scope_before_it_was_received():
+    # Received at 35 in scope A: applies to calls 0 and 1 (ended before 35, under A), not to call 2.
+    scoped = Reward(-1.0, received_ns=35, scope="A")
+    assert discounted_returns(CALLS, [scoped]) == [-1.0, -1.0, 0.0]
+    # With gamma 0.5: call 0 has one call (20..30) starting after it and before 35 -> 0.5.
+    assert discounted_returns(CALLS, [scoped], gamma=0.5) == [-0.5, -1.0, 0.0]
+    # Received at 15: only call 0 had ended.
+    assert discounted_returns(CALLS, [Reward(2.0, received_ns=15, scope="A")]) == [2.0, 0.0, 0.0]
+
+
+def test_rewards_add_up():
+    both = [Reward(1.0), Reward(-0.5, received_ns=35, scope="A")]
+    assert discounted_returns(CALLS, both, gamma=0.5) == [0.25 - 0.25, 0.5 - 0.5, 1.0]
+
+
+def frame(rows):
+    return pl.DataFrame(rows, schema=["rollout_id", "task_id", "policy_version", "turn", "reward", "return"],
+                        orient="row")
+
+
+def test_per_rollout_advantage_counts_each_rollout_once():
+    # Task t: rollout r1 (R=1, three turns), r2 (R=0, one turn). Rollout mean 0.5, sample std 0.7071.
+    data = frame([("r1", "t", 0, 0, 1.0, 1.0), ("r1", "t", 0, 1, 1.0, 1.0), ("r1", "t", 0, 2, 1.0, 1.0),
+                  ("r2", "t", 0, 0, 0.0, 0.0)])
+    out, flat = advantage_per_rollout(data)
+    std = math.sqrt(0.5)
+    expected = {"r1": 0.5 / (std + EPS), "r2": -0.5 / (std + EPS)}
+    assert flat == 0
+    for row in out.to_dicts():
+        assert row["advantage"] == pytest.approx(expected[row["rollout_id"]])
+
+
+def test_per_transition_advantage_is_agent_lightnings_legacy():
+    data = frame([("r1", "t", 0, 0, 1.0, 1.0), ("r1", "t", 0, 1, 1.0, 1.0), ("r1", "t", 0, 2, 1.0, 1.0),
+                  ("r2", "t", 0, 0, 0.0, 0.0)])
+    out, _ = advantage_per_transition(data)
+    # Members 1, 1, 1, 0: mean 0.75, sample std 0.5.
+    got = sorted(round(v, 6) for v in out["advantage"].to_list())
+    assert got == sorted(round(v, 6) for v in [0.25 / (0.5 + EPS)] * 3 + [-0.75 / (0.5 + EPS)])
+
+
+def test_groups_are_task_and_policy_version_and_flat_groups_are_dropped():
+    data = frame([("a", "t", 0, 0, 1.0, 1.0), ("b", "t", 0, 0, 0.0, 0.0),
+                  ("c", "t", 1, 0, 1.0, 1.0), ("d", "t", 1, 0, 1.0, 1.0),  # version 1: no variance
+                  ("e", "u", 0, 0, 0.5, 0.5)])  # alone in its group
+    for name, fn in ADVANTAGES.items():
+        out, flat = fn(data)
+        assert sorted(out["rollout_id"].to_list()) == ["a", "b"], name
+        assert flat == 2, name
+
+
+def test_end_is_after_everything():
+    assert END > 2**63

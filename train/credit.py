@@ -1,0 +1,92 @@
+"""Credit assignment and advantages, as DESIGN §4 defines them. Pure functions with hand-checked tests.
+
+Returns. A reward on span s is received when s ends and applies to the transitions of s's scope that
+ended before it; scope = the subtree of s's nearest agent/task/node ancestor (the whole rollout when it
+has none, or when s is the episode). For transition t,
+    G_t = sum over rewards (s, r) that apply to t of gamma**d * r,
+d = the number of LLM calls of the rollout that start after t ends and before s ends. The episode reward
+is received at the end. With gamma = 1 and the episode reward only, every transition gets R.
+
+Advantages (registry ADVANTAGES; the trainer never branches on the name):
+  per-rollout     A = (R - mean) / (std + eps) over the rollouts of one group, the same A for each of a
+                  rollout's transitions (the loss then weighs every rollout the same).
+  per-transition  the same statistics taken over every transition of the group (Agent Lightning's legacy).
+Group = (task id, policy version). std is the sample standard deviation (n - 1), as torch.std, TRL and
+verl compute it. A group whose rewards do not vary gives no gradient: it is dropped and counted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import polars as pl
+
+EPS = 1e-6
+END = math.inf
+
+
+@dataclass(frozen=True)
+class Call:
+    """One LLM call of a rollout: when it ran, and the ids of the spans it sits under (its ancestors)."""
+
+    start_ns: int
+    end_ns: int
+    ancestors: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A reward: its value, when it was received (its span's end; END for the episode) and its scope
+    (the span id of the target's nearest agent/task/node ancestor; None for the whole rollout)."""
+
+    value: float
+    received_ns: float = END
+    scope: str | None = None
+
+
+def discounted_returns(calls: list[Call], rewards: list[Reward], gamma: float = 1.0) -> list[float]:
+    """G_t for each call, in the order given."""
+    starts = sorted(c.start_ns for c in calls)
+    out = []
+    for call in calls:
+        total = 0.0
+        for reward in rewards:
+            if call.end_ns > reward.received_ns:
+                continue  # received before this call ended: it was about earlier work
+            if reward.scope is not None and reward.scope not in call.ancestors:
+                continue
+            d = sum(1 for s in starts if call.end_ns < s < reward.received_ns)
+            total += gamma ** d * reward.value
+        out.append(total)
+    return out
+
+
+def _normalise(frame: pl.DataFrame, value: str, by_rollout: bool) -> tuple[pl.DataFrame, int]:
+    """Add `advantage` from column `value`, normalised within (task_id, policy_version) groups whose
+    members are rollouts (by_rollout) or transitions. Drops zero-variance groups; returns how many."""
+    group = ["task_id", "policy_version"]
+    members = frame.unique(subset=["rollout_id"], keep="first") if by_rollout else frame
+    stats = members.group_by(group).agg(pl.col(value).mean().alias("_mean"), pl.col(value).std(ddof=1).alias("_std"))
+    flat = stats.filter(pl.col("_std").is_null() | (pl.col("_std") == 0)).height
+    kept = stats.filter(pl.col("_std") > 0)
+    out = frame.join(kept, on=group, how="inner").with_columns(
+        ((pl.col(value) - pl.col("_mean")) / (pl.col("_std") + EPS)).alias("advantage"))
+    return out.drop(["_mean", "_std"]), flat
+
+
+def advantage_per_rollout(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """A from the episode reward R (column `reward`), each rollout one member of its group, whatever its
+    number of turns; every transition of a rollout gets its rollout's A."""
+    return _normalise(frame, "reward", by_rollout=True)
+
+
+def advantage_per_transition(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """Agent Lightning's legacy statistics: every transition (its return G_t) is a member of its group."""
+    return _normalise(frame, "return", by_rollout=False)
+
+
+ADVANTAGES: dict[str, Callable[[pl.DataFrame], tuple[pl.DataFrame, int]]] = {
+    "per-rollout": advantage_per_rollout,
+    "per-transition": advantage_per_transition,
+}
