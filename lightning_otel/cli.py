@@ -225,7 +225,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from lightning_otel.train.compile import CompileConfig, compile_transitions
 
     frame, account = compile_transitions(CompileConfig(db=args.db, reward=args.reward, gamma=args.gamma,
-                                                       advantage=args.advantage, agents=args.agents))
+                                                       advantage=args.advantage, agents=args.agents,
+                                                       intermediate=args.intermediate or [],
+                                                       turn_weight=args.turn_weight))
     frame.write_parquet(args.out)
     print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts "
           f"({account.transitions_per_episode:.2f} per episode) -> {args.out}")
@@ -342,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advantage", choices=["per-rollout", "per-transition"], default="per-rollout",
                    help="group statistics over rollouts (default) or transitions (Agent Lightning's legacy)")
     p.add_argument("--agents", metavar="REGEX", help="train only LLM calls of agents matching this pattern")
+    p.add_argument("--intermediate", action="append", metavar="NAME",
+                   help="a reward name whose rows on inner spans add to the returns of their scope (repeatable)")
+    p.add_argument("--turn-weight", type=float, default=0.0,
+                   help="lambda of the turn-level term A_t = A + lambda * z_t (default 0: off)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("demo", help="the main job on embedded defaults (for now: a tour of the trace store)")

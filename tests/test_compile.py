@@ -104,3 +104,33 @@ def test_cli_and_bad_options(store, tmp_path, capsys):
     client.write_records(store, "rewards", [{"rollout_id": "r1", "name": "other", "value": 1.0, "source": "function"}])
     with pytest.raises(UserError, match="choose one with --reward"):
         compile_transitions(CompileConfig(db=store))
+
+
+def test_rewards_on_inner_spans_feed_the_returns_of_their_scope(store):
+    first_agent_span = client.query(
+        "SELECT trace_id, span_id FROM spans WHERE rollout_id = 'r1' AND name = 'invoke_agent A' "
+        "ORDER BY start_ns LIMIT 1", store).to_dicts()[0]
+    client.write_records(store, "rewards", [{"rollout_id": "r1", "name": "tool_error", "value": -0.5,
+                                             "source": "emitted", **first_agent_span}])
+    out, _ = compile_transitions(CompileConfig(db=store, reward="exec", intermediate=["tool_error"]))
+    r1 = out.filter(pl.col("rollout_id") == "r1").sort("turn")
+    # Received when the first call's agent span ended: only that call is in its scope and before it.
+    assert r1["return"].to_list() == [0.5, 1.0]
+    # The advantage still comes from the episode reward: unchanged.
+    plain, _ = compile_transitions(CompileConfig(db=store, reward="exec"))
+    assert r1["advantage"].to_list() == plain.filter(pl.col("rollout_id") == "r1").sort("turn")["advantage"].to_list()
+
+
+def test_turn_level_term_on_hand_computed_groups():
+    from lightning_otel.train.compile import _add_turn_term
+    frame = pl.DataFrame({"task_id": ["t"] * 3, "agent": ["A", "A", "B"], "turn": [0, 0, 0],
+                          "intermediate": [-1.0, 1.0, 5.0], "advantage": [0.0, 0.0, 1.0]})
+    out = _add_turn_term(frame, 0.5)
+    # Group (t, A, 0): values -1, 1 -> mean 0, sample std 1.414; z = -0.7071, 0.7071. (t, B, 0) alone: z = 0.
+    z = 1 / (math.sqrt(2) + EPS)
+    assert out["advantage"].to_list() == pytest.approx([-0.5 * z, 0.5 * z, 1.0])
+
+
+def test_turn_weight_needs_intermediate_rewards(store):
+    with pytest.raises(UserError, match="--intermediate"):
+        CompileConfig(db=store, turn_weight=0.1)

@@ -4,8 +4,10 @@ a return and an advantage (DESIGN §4, §7). Vectorised: SQL in the store, then 
     lightning-otel compile --db traces.duckdb --out transitions.parquet --reward spider_exec
 
 Every rollout ends in the output or in `Accounting.excluded` with its reason; a rollout without a reward
-is never given 0. This slice handles the episode reward (with discount gamma); rewards on inner spans feed
-`credit.discounted_returns`, which the compiler does not call yet.
+is never given 0. The episode reward (`--reward`) drives the advantage. Rewards on inner spans
+(`--intermediate NAME`, e.g. emitted on a failed tool call) add to the returns G_t of the transitions in
+their scope (credit.discounted_returns), and with `--turn-weight` lambda > 0 give the turn-level term
+A_t = A + lambda * z_t, z_t their return normalised within (task, agent, turn) groups.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import polars as pl
 
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
-from lightning_otel.train.credit import ADVANTAGES
+from lightning_otel.train.credit import ADVANTAGES, EPS, Call, Reward, discounted_returns
 
 SQL_CALLS = """
 SELECT c.rollout_id, c.trace_id, c.span_id, c.turn, c.agent, c.start_ns, c.end_ns,
@@ -37,6 +39,30 @@ WHERE r.name = $name AND (r.span_id IS NULL OR s.name = 'lightning.rollout' OR s
 GROUP BY r.rollout_id
 """
 SQL_REWARD_NAMES = "SELECT name, count(DISTINCT rollout_id) AS rollouts FROM rewards GROUP BY name ORDER BY 2 DESC"
+# Rewards on inner spans: when each was received (its target's end) and its scope, the target's nearest
+# agent/task/node span, the target itself included (a reward on a sub-agent's span is about that sub-agent).
+SQL_INTERMEDIATE = """
+WITH RECURSIVE targets AS (
+    SELECT r.rollout_id, r.value, r.trace_id, r.span_id FROM rewards r JOIN spans s
+        ON s.trace_id = r.trace_id AND s.span_id = r.span_id
+    WHERE r.name IN ($names) AND s.name <> 'lightning.rollout' AND s.parent_span_id IS NOT NULL
+),
+up(rollout_id, value, trace_id, target, span_id, depth) AS (
+    SELECT rollout_id, value, trace_id, span_id, span_id, 0 FROM targets
+    UNION ALL
+    SELECT up.rollout_id, up.value, up.trace_id, up.target, s.parent_span_id, up.depth + 1
+    FROM up JOIN spans s ON s.trace_id = up.trace_id AND s.span_id = up.span_id
+    WHERE s.parent_span_id IS NOT NULL AND up.depth < 64
+)
+SELECT up.rollout_id, up.target, any_value(up.value) AS value, any_value(t.end_ns) AS received_ns,
+       arg_min(up.span_id, up.depth) FILTER (WHERE agent_name_of(s.name, s.attributes, s.operation_name) IS NOT NULL)
+           AS scope
+FROM up JOIN spans s ON s.trace_id = up.trace_id AND s.span_id = up.span_id
+JOIN spans t ON t.trace_id = up.trace_id AND t.span_id = up.target
+GROUP BY up.rollout_id, up.target
+"""
+SQL_CALL_ANCESTORS = "SELECT trace_id, call_span_id AS span_id, list(ancestor_span_id) AS ancestors " \
+                     "FROM call_ancestors GROUP BY ALL"
 
 
 @dataclass
@@ -46,12 +72,18 @@ class CompileConfig:
     gamma: float = 1.0
     advantage: str = "per-rollout"
     agents: str | None = None
+    intermediate: list[str] = field(default_factory=list)
+    turn_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gamma <= 1.0:
             raise UserError(f"--gamma {self.gamma} must be in (0, 1]")
         if self.advantage not in ADVANTAGES:
             raise UserError(f"--advantage {self.advantage!r}: choose one of {sorted(ADVANTAGES)}")
+        if self.turn_weight < 0:
+            raise UserError(f"--turn-weight {self.turn_weight} must be >= 0")
+        if self.turn_weight and not self.intermediate:
+            raise UserError("--turn-weight needs --intermediate rewards to weigh")
         if self.agents is not None:
             try:
                 re.compile(self.agents)
@@ -121,7 +153,11 @@ def compile_transitions(config: CompileConfig) -> tuple[pl.DataFrame, Accounting
              # Episode reward received at the end: d = calls after this one.
              .with_columns((pl.col("reward") * pl.lit(config.gamma) ** (pl.col("_calls") - 1 - pl.col("turn")))
                            .alias("return")))
+    if config.intermediate:
+        steps = _add_intermediate_returns(steps, config)
     with_advantage, account.zero_variance_groups = ADVANTAGES[config.advantage](steps)
+    if config.turn_weight:
+        with_advantage = _add_turn_term(with_advantage, config.turn_weight)
     flat = steps.join(with_advantage.select("rollout_id").unique(), on="rollout_id", how="anti")
     account.excluded["zero-variance group"] += flat.select("rollout_id").n_unique()
     out = with_advantage.select(
@@ -137,3 +173,33 @@ def compile_transitions(config: CompileConfig) -> tuple[pl.DataFrame, Accounting
     account.transitions = out.height
     account.llm_calls = out.height
     return out, account
+
+
+def _add_intermediate_returns(steps: pl.DataFrame, config: CompileConfig) -> pl.DataFrame:
+    """Add the discounted returns of rewards on inner spans to `return`, and keep them as `intermediate`.
+    Per rollout that has such rewards (few); the rest of the pipeline stays vectorised."""
+    names = ", ".join("'" + n.replace("'", "''") + "'" for n in config.intermediate)
+    rewards = client.query(SQL_INTERMEDIATE.replace("$names", names), config.db)
+    ancestors = client.query(SQL_CALL_ANCESTORS, config.db)
+    steps = steps.join(ancestors, on=["trace_id", "span_id"], how="left")
+    parts = []
+    for (rollout_id,), group in steps.group_by("rollout_id", maintain_order=True):
+        mine = rewards.filter(pl.col("rollout_id") == rollout_id)
+        values = [0.0] * group.height
+        if mine.height:
+            calls = [Call(r["start_ns"], r["end_ns"], frozenset(r["ancestors"] or ()))
+                     for r in group.select("start_ns", "end_ns", "ancestors").to_dicts()]
+            values = discounted_returns(calls, [Reward(r["value"], r["received_ns"], r["scope"])
+                                                for r in mine.to_dicts()], config.gamma)
+        parts.append(group.with_columns(pl.Series("intermediate", values, dtype=pl.Float64)))
+    out = pl.concat(parts) if parts else steps.with_columns(pl.lit(0.0).alias("intermediate"))
+    return out.with_columns((pl.col("return") + pl.col("intermediate")).alias("return")).drop("ancestors")
+
+
+def _add_turn_term(frame: pl.DataFrame, weight: float) -> pl.DataFrame:
+    """A_t += lambda * z_t, z_t = the intermediate return normalised within (task, agent, turn) groups;
+    a group without variance contributes 0."""
+    keys = ["task_id", "agent", "turn"]
+    z = ((pl.col("intermediate") - pl.col("intermediate").mean().over(keys))
+         / (pl.col("intermediate").std(ddof=1).over(keys) + EPS))
+    return frame.with_columns((pl.col("advantage") + weight * z.fill_nan(0.0).fill_null(0.0)).alias("advantage"))
