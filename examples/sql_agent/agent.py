@@ -1,0 +1,127 @@
+"""Text-to-SQL agent as a LangGraph graph: write_query -> execute_query -> check_query -> rewrite_query,
+looping back to execute_query until the check passes or three queries were tried.
+
+    python agent.py --question "How many singers do we have?" --db singer.sqlite [--model gpt-4o-mini]
+
+Uses langchain-openai's ChatOpenAI against any OpenAI-compatible endpoint (OPENAI_BASE_URL,
+OPENAI_API_KEY). The last line of stdout is the final SQL (empty when the model never wrote any).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sqlite3
+import time
+from typing import TypedDict
+
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+
+MAX_TURNS = 3
+MAX_TOKENS = 96
+WRITE = ("You write SQLite queries. Answer with one SQL query in a ```sql``` block and nothing else.\n"
+         "The database has these tables:\n{schema}")
+CHECK = ("You review SQLite queries. If the query answers the question, reply exactly THE QUERY IS CORRECT. "
+         "Otherwise say briefly what is wrong.\nThe database has these tables:\n{schema}")
+REWRITE = ("You fix SQLite queries. Answer with one corrected SQL query in a ```sql``` block and nothing else.\n"
+           "The database has these tables:\n{schema}")
+
+
+class State(TypedDict, total=False):
+    question: str
+    schema: str
+    db: str
+    sql: str
+    result: str
+    feedback: str
+    turns: int
+
+
+def read_schema(db: str) -> str:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        rows = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL").fetchall()
+    return "\n".join(sql for (sql,) in rows)
+
+
+def extract_sql(text: str) -> str:
+    """The query in the answer, on one line: a ```sql``` block, else from the first SELECT/WITH, else all."""
+    fenced = re.search(r"```(?:sql|sqlite)?\s*(.*?)(?:```|$)", text, re.DOTALL | re.IGNORECASE)
+    if fenced and fenced.group(1).strip():
+        text = fenced.group(1)
+    else:
+        start = re.search(r"\b(SELECT|WITH)\b", text, re.IGNORECASE)
+        text = text[start.start():] if start else text
+    return " ".join(text.split())
+
+
+def run_sql(db: str, sql: str, timeout_s: float = 10.0) -> str:
+    """The first rows, or the error, as text. Queries running past timeout_s are interrupted."""
+    if not sql:
+        return "Error: the answer contains no SQL query"
+    deadline = time.monotonic() + timeout_s
+    conn = sqlite3.connect(db)
+    conn.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
+    try:
+        return repr(conn.execute(sql).fetchmany(20))
+    except (sqlite3.Error, sqlite3.Warning, ValueError) as exc:
+        return f"Error: {type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+
+
+def build_graph(llm: ChatOpenAI):
+    def ask(system: str, user: str, state: State) -> str:
+        reply = llm.invoke([SystemMessage(system.format(schema=state["schema"])), HumanMessage(user)])
+        return reply.content if isinstance(reply.content, str) else str(reply.content)
+
+    def write_query(state: State) -> State:
+        return {"sql": extract_sql(ask(WRITE, state["question"], state)), "turns": 1}
+
+    def execute_query(state: State) -> State:
+        return {"result": run_sql(state["db"], state["sql"])}
+
+    def check_query(state: State) -> State:
+        user = f"Question: {state['question']}\nQuery: {state['sql']}\nResult: {state['result'][:500]}"
+        return {"feedback": ask(CHECK, user, state)}
+
+    def rewrite_query(state: State) -> State:
+        user = (f"Question: {state['question']}\nQuery: {state['sql']}\nResult: {state['result'][:500]}\n"
+                f"Review: {state['feedback']}")
+        return {"sql": extract_sql(ask(REWRITE, user, state)) or state["sql"], "turns": state["turns"] + 1}
+
+    def after_execute(state: State) -> str:
+        return END if state["turns"] >= MAX_TURNS else "check_query"
+
+    def after_check(state: State) -> str:
+        return END if "THE QUERY IS CORRECT" in state["feedback"].upper() else "rewrite_query"
+
+    graph = StateGraph(State)
+    graph.add_node("write_query", write_query)
+    graph.add_node("execute_query", execute_query)
+    graph.add_node("check_query", check_query)
+    graph.add_node("rewrite_query", rewrite_query)
+    graph.add_edge(START, "write_query")
+    graph.add_edge("write_query", "execute_query")
+    graph.add_conditional_edges("execute_query", after_execute, ["check_query", END])
+    graph.add_conditional_edges("check_query", after_check, ["rewrite_query", END])
+    graph.add_edge("rewrite_query", "execute_query")
+    return graph.compile()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--question", required=True)
+    parser.add_argument("--db", required=True, help="SQLite database file")
+    parser.add_argument("--model", default="gpt-4o-mini")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    args = parser.parse_args()
+
+    llm = ChatOpenAI(model=args.model, temperature=args.temperature, max_tokens=MAX_TOKENS)  # OPENAI_* env
+    final = build_graph(llm).invoke({"question": args.question, "schema": read_schema(args.db), "db": args.db})
+    print(f"result: {final.get('result', '')}")
+    print(final.get("sql", ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The example agents (examples/*/agent.py), unchanged, under `opentelemetry-instrument` against the gateway
+over the real engine (bundled SmolLM2-135M): every LLM call a framework makes is joined to exactly one
+token record, the record decodes to the text the agent received, and llm_calls names the agent.
+
+Each framework runs from the environment `make test` builds for it (.venv for the plain SDK, LangGraph and
+AutoGen; .venv-crewai for CrewAI, which pins openai<3). The model is weak: the assertions hold whatever
+it answers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_otel.span_store import client
+
+REPO = Path(__file__).resolve().parent.parent
+SPIDER = REPO / "lightning_otel" / "data" / "spider"
+DROPPED_ENV = ("OTEL_", "LIGHTNING_OTEL_", "OPENAI_", "CREWAI_", "AUTOGEN_", "TRACELOOP_", "LANGCHAIN_", "LANGSMITH_")
+
+# example -> (bin folder of the environment that has its framework, agent names llm_calls must show:
+# None = the framework names no agent, the calls are bare SDK calls)
+FRAMEWORKS = {
+    "openai_sql": (Path(sys.executable).parent, None),
+    "sql_agent": (Path(sys.executable).parent, {"write_query", "check_query", "rewrite_query"}),
+    "autogen_sql": (Path(sys.executable).parent, {"sql_agent"}),
+    "crewai_sql": (REPO / ".venv-crewai" / "bin", {"SQL Analyst"}),
+}
+
+CALLS = """
+SELECT c.turn, c.name, c.agent, c.output_messages, count(g.span_id) AS records,
+       any_value(g.completion_ids) AS completion_ids
+FROM llm_calls c LEFT JOIN generations g ON g.trace_id = c.trace_id AND g.llm_span_id = c.span_id
+WHERE c.rollout_id = '{rollout_id}'
+GROUP BY ALL ORDER BY c.turn"""
+
+
+def singer_task() -> dict:
+    for line in (SPIDER / "dev.jsonl").read_text().splitlines():
+        task = json.loads(line)
+        if task["db_id"] == "singer":
+            return task
+    raise AssertionError("the bundled Spider subset has no singer question")
+
+
+def run_example(name: str, bin_dir: Path, gateway, collector, tmp_path: Path, question: str) -> list[str]:
+    instrument = bin_dir / "opentelemetry-instrument"
+    if not instrument.exists():
+        pytest.fail(f"{instrument} is missing: the environment for {name} is built by `make test`; run it")
+    db = tmp_path / "singer.sqlite"
+    shutil.copy(SPIDER / "database" / "singer" / "singer.sqlite", db)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(DROPPED_ENV)}
+    env.update({"OPENAI_BASE_URL": gateway.base_url(f"ro-{name}"), "OPENAI_API_KEY": "k",
+                "LIGHTNING_OTEL_ENDPOINT": collector.url,
+                "OTEL_RESOURCE_ATTRIBUTES": f"lightning.rollout.id=ro-{name}"})
+    command = [str(instrument), str(bin_dir / "python"), str(REPO / "examples" / name / "agent.py"),
+               "--question", question, "--db", str(db)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, f"{name} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result.stdout.splitlines()
+
+
+def received_text(output_messages: str | None) -> tuple[str, list[dict]]:
+    """What the agent got back, from the LLM span: the assistant's text parts joined, and its tool calls."""
+    text, calls = [], []
+    for message in json.loads(output_messages or "[]"):
+        for part in message.get("parts") or []:
+            if part.get("type") == "text":
+                text.append(part.get("content") or "")
+            elif part.get("type") == "tool_call":
+                calls.append(part)
+    return "".join(text), calls
+
+
+def squash(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_example_agent_calls_join_token_records(name, gateway, collector, db_path, tokenizer, tmp_path):
+    bin_dir, agents = FRAMEWORKS[name]
+    task = singer_task()
+    stdout = run_example(name, bin_dir, gateway, collector, tmp_path, task["question"])
+    gateway.flush()
+    calls = client.query(CALLS.format(rollout_id=f"ro-{name}"), db_path).to_dicts()
+    assert calls, f"no LLM call of ro-{name} in llm_calls; stdout: {stdout[-5:]}"
+    assert [c["records"] for c in calls] == [1] * len(calls), \
+        [(c["turn"], c["name"], c["records"]) for c in calls]
+    # Nothing the gateway served for this rollout is left unjoined (a request without traceparent would be).
+    served = client.query(f"SELECT count(*) AS n FROM generations WHERE rollout_id = 'ro-{name}'", db_path)["n"][0]
+    assert served == len(calls)
+
+    seen = []
+    for call in calls:
+        text, tool_calls = received_text(call["output_messages"])
+        decoded = tokenizer.decode(call["completion_ids"], skip_special_tokens=True)
+        if tool_calls:
+            # The gateway turned the model's <tool_call> blocks into OpenAI tool_calls: the agent got the
+            # text before the first block (stripped) as content, and each call's name and arguments.
+            assert "<tool_call>" in decoded, (decoded, text)
+            assert decoded[:decoded.index("<tool_call>")].strip() == text.strip(), (decoded, text)
+            for part in tool_calls:
+                assert part["name"] in decoded
+                seen.append(json.dumps(part.get("arguments")))
+                seen.extend(str(v) for v in (part.get("arguments") or {}).values()
+                            if isinstance(part.get("arguments"), dict))
+        else:
+            assert decoded == text, (call["turn"], call["name"])
+        seen.append(text)
+
+    # The final SQL the agent printed comes from what the model answered (the empty string when it wrote none).
+    final_sql = squash(stdout[-1]) if stdout else ""
+    assert not final_sql or any(final_sql in squash(s) for s in seen), (final_sql, seen)
+
+    names = {c["agent"] for c in calls}
+    if agents is None:
+        assert names == {None}
+    else:
+        assert names <= agents and None not in names, names
+    if name == "sql_agent":
+        assert calls[0]["agent"] == "write_query"
