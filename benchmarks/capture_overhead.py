@@ -7,7 +7,9 @@
   ours+redact  ours with one redaction pattern (LIGHTNING_OTEL_REDACT) applied to every string attribute
 
 against a fast local OpenAI-compatible server (canned answers, so the model's time does not hide the
-overhead). Rounds alternate between the three to spread machine noise evenly.
+overhead). Every round runs each setup once, in a shuffled order, so machine noise spreads evenly; the
+overhead is the median over rounds of each round's ratio to Traceloop alone (paired, so a slow round
+slows both sides).
 
     .venv/bin/python benchmarks/capture_overhead.py --calls 300 --rounds 5
 """
@@ -97,8 +99,11 @@ def main() -> None:
               "ours+redact": lambda: our_provider(r"sk-[A-Za-z0-9]+")}
     results: dict[str, list[float]] = {name: [] for name in setups}
     calls(client, 30)  # warm up connections and imports
+    import random
+    order = list(setups.items())
     for _ in range(args.rounds):
-        for name, make in setups.items():
+        random.shuffle(order)
+        for name, make in order:
             provider = make() if make else None
             instrumentor = OpenAIInstrumentor()
             if provider:
@@ -110,12 +115,13 @@ def main() -> None:
     collector.close()
     server.shutdown()
     median = {name: statistics.median(values) * 1e6 for name, values in results.items()}
+    paired = {name: statistics.median(v / t for v, t in zip(values, results["traceloop"]))
+              for name, values in results.items()}
     print(json.dumps({k: round(v, 1) for k, v in median.items()}))
-    print("\n| setup | µs per call (median of rounds) | over none | over traceloop |")
+    print("\n| setup | µs per call (median of rounds) | over none | over traceloop (median paired ratio) |")
     print("| --- | --- | --- | --- |")
     for name, us in median.items():
-        print(f"| {name} | {us:.0f} | {us - median['none']:+.0f} µs | "
-              f"{(us / median['traceloop'] - 1) * 100:+.1f}% |")
+        print(f"| {name} | {us:.0f} | {us - median['none']:+.0f} µs | {(paired[name] - 1) * 100:+.1f}% |")
 
 
 if __name__ == "__main__":
