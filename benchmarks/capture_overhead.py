@@ -64,6 +64,39 @@ def calls(client, n: int, flush=None) -> tuple[float, float]:
     return (time.perf_counter() - started) / n, (time.process_time() - cpu) / n
 
 
+def setups(collector_url: str) -> dict:
+    """Setup name -> a function making its TracerProvider (None: no instrumentation)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from lightning_otel import distro
+
+    os.environ["TRACELOOP_TRACE_CONTENT"] = "true"
+
+    def traceloop_provider() -> TracerProvider:
+        provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{collector_url}/v1/traces")))
+        return provider
+
+    def our_provider(redact: str = "") -> TracerProvider:
+        os.environ[distro.REDACT_ENV] = redact
+        provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+        provider.add_span_processor(distro.BaggageToAttributes())
+        provider.add_span_processor(distro._export_processor(distro.LightningSpanExporter(endpoint=collector_url)))  # noqa: SLF001
+        return provider
+
+    return {"none": None, "traceloop": traceloop_provider, "ours": our_provider,
+            "ours+redact": lambda: our_provider(r"sk-[A-Za-z0-9]+")}
+
+
+def start_fast_server() -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FastServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=300)
@@ -71,41 +104,20 @@ def main() -> None:
     args = parser.parse_args()
 
     import openai
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.instrumentation.openai import OpenAIInstrumentor
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from lightning_otel import distro
     from lightning_otel.span_store.collector import Collector, CollectorConfig
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FastServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = start_fast_server()
     collector = Collector(CollectorConfig(db=Path(tempfile.mkdtemp()) / "bench.duckdb", port=0))
     collector.start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="k")
-    os.environ["TRACELOOP_TRACE_CONTENT"] = "true"
-
-    def traceloop_provider() -> TracerProvider:
-        provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{collector.url}/v1/traces")))
-        return provider
-
-    def our_provider(redact: str = "") -> TracerProvider:
-        os.environ[distro.REDACT_ENV] = redact
-        provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
-        provider.add_span_processor(distro.BaggageToAttributes())
-        provider.add_span_processor(distro._export_processor(distro.LightningSpanExporter(endpoint=collector.url)))  # noqa: SLF001
-        return provider
-
-    setups = {"none": None, "traceloop": traceloop_provider, "ours": our_provider,
-              "ours+redact": lambda: our_provider(r"sk-[A-Za-z0-9]+")}
-    results: dict[str, list[float]] = {name: [] for name in setups}
-    cpu: dict[str, list[float]] = {name: [] for name in setups}
+    setups_by_name = setups(collector.url)
+    results: dict[str, list[float]] = {name: [] for name in setups_by_name}
+    cpu: dict[str, list[float]] = {name: [] for name in setups_by_name}
     calls(client, 30)  # warm up connections and imports
     import random
-    order = list(setups.items())
+    order = list(setups_by_name.items())
     for _ in range(args.rounds):
         random.shuffle(order)
         for name, make in order:
