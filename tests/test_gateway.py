@@ -133,3 +133,45 @@ def test_n_choices_and_legacy_completions(gateway, db_path, tokenizer):
     assert [r["choice_index"] for r in records] == [0, 1, 2, 0]
     assert records[-1]["prompt_ids"] == [23428, 28]
     assert tokenizer.decode(records[-1]["completion_ids"]) == text
+
+
+MAKE_ADAPTER = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+config = json.loads(Path(sys.argv[2], "config.json").read_text())
+hidden, layers, rank = config["hidden_size"], config["num_hidden_layers"], 8
+torch.manual_seed(0)
+tensors = {}
+for i in range(layers):
+    prefix = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+    tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden) * 0.5
+    tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank) * 0.5
+save_file(tensors, str(out / "adapter_model.safetensors"))
+(out / "adapter_config.json").write_text(json.dumps({
+    "peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj"], "lora_dropout": 0.0,
+    "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": sys.argv[2]}))
+"""
+
+
+def test_update_weights_hot_loads_a_lora_adapter(gateway, engine, db_path, tmp_path):
+    adapter = tmp_path / "adapter"
+    made = subprocess.run([engine.config.python, "-c", MAKE_ADAPTER, str(adapter), str(engine.config.model_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    body = {"model": "gpt-4o", "max_tokens": 12, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "List three colors."}]}
+    _, before = _chat(gateway.url, body)
+    try:
+        engine.update_weights(adapter, version=1)
+        _, after = _chat(gateway.url, body)
+        assert after["choices"][0]["message"]["content"] != before["choices"][0]["message"]["content"]
+        with urllib.request.urlopen(gateway.url + "/v1/models") as response:
+            assert json.loads(response.read())["data"][0] == {
+                "id": "policy-v1", "object": "model", "owned_by": "lightning-otel", "policy_version": 1}
+        gateway.flush()
+        versions = client.query("SELECT policy_version FROM generations ORDER BY start_ns", db_path)
+        assert versions["policy_version"].to_list()[-2:] == [0, 1]
+    finally:
+        engine.use_base()
