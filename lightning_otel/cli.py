@@ -227,7 +227,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     frame, account = compile_transitions(CompileConfig(db=args.db, reward=args.reward, gamma=args.gamma,
                                                        advantage=args.advantage, agents=args.agents,
                                                        intermediate=args.intermediate or [],
-                                                       turn_weight=args.turn_weight))
+                                                       turn_weight=args.turn_weight, merge_turns=args.merge_turns))
     frame.write_parquet(args.out)
     print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts "
           f"({account.transitions_per_episode:.2f} per episode) -> {args.out}")
@@ -235,6 +235,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"  excluded: {count} rollout(s): {reason}")
     if account.zero_variance_groups:
         print(f"  {account.zero_variance_groups} group(s) of (task, policy version) had no reward variance")
+    for reason, count in sorted(account.not_merged.items()):
+        print(f"  not merged: {count} pair(s) of turns: {reason}")
     return 0
 
 
@@ -348,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a reward name whose rows on inner spans add to the returns of their scope (repeatable)")
     p.add_argument("--turn-weight", type=float, default=0.0,
                    help="lambda of the turn-level term A_t = A + lambda * z_t (default 0: off)")
+    p.add_argument("--merge-turns", action="store_true",
+                   help="merge consecutive turns whose tokens extend the previous turn into one sample")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("demo", help="the main job on embedded defaults (for now: a tour of the trace store)")

@@ -134,3 +134,44 @@ def test_turn_level_term_on_hand_computed_groups():
 def test_turn_weight_needs_intermediate_rewards(store):
     with pytest.raises(UserError, match="--intermediate"):
         CompileConfig(db=store, turn_weight=0.1)
+
+
+def test_merge_turns_on_hand_made_token_records():
+    from collections import Counter
+
+    from lightning_otel.train.compile import merge_turns
+    base = {"task_id": "t", "attempt": 0, "policy_version": 0, "agent": "A", "reward": 1.0, "return": 1.0,
+            "advantage": 0.5, "token_source": "engine"}
+    rows = [
+        # Turn 1's prompt = turn 0's prompt + completion + a tool result [7, 8]: merges.
+        {**base, "rollout_id": "r", "turn": 0, "prompt_ids": [1, 2], "completion_ids": [3, 4],
+         "completion_logprobs": [-0.1, -0.2], "loss_mask": [1, 1]},
+        {**base, "rollout_id": "r", "turn": 1, "prompt_ids": [1, 2, 3, 4, 7, 8], "completion_ids": [5],
+         "completion_logprobs": [-0.3], "loss_mask": [1], "advantage": 0.7},
+        # Re-templated history: not an extension.
+        {**base, "rollout_id": "r", "turn": 2, "prompt_ids": [1, 9, 9], "completion_ids": [6],
+         "completion_logprobs": [-0.4], "loss_mask": [1]},
+        # Another agent.
+        {**base, "rollout_id": "r", "turn": 3, "agent": "B", "prompt_ids": [1, 9, 9, 6], "completion_ids": [2],
+         "completion_logprobs": [-0.5], "loss_mask": [1]},
+    ]
+    frame = pl.DataFrame(rows).with_columns(pl.col("prompt_ids").cast(pl.List(pl.Int32)),
+                                            pl.col("completion_ids").cast(pl.List(pl.Int32)),
+                                            pl.col("completion_logprobs").cast(pl.List(pl.Float32)),
+                                            pl.col("loss_mask").cast(pl.List(pl.Int8)))
+    reasons: Counter = Counter()
+    out = merge_turns(frame, reasons).to_dicts()
+    assert [r["turn"] for r in out] == [0, 2, 3]
+    first = out[0]
+    assert first["prompt_ids"] == [1, 2] and first["completion_ids"] == [3, 4, 7, 8, 5]
+    assert first["loss_mask"] == [1, 1, 0, 0, 1]
+    assert first["completion_logprobs"] == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.3])
+    assert first["advantage"] == 0.7
+    assert reasons == {"prompt is not an extension of the previous turn": 1, "different agent": 1}
+
+
+def test_merge_turns_through_compile_keeps_calls_per_episode(store):
+    out, account = compile_transitions(CompileConfig(db=store, merge_turns=True))
+    # r1's second prompt does not extend its first in this store ([1, 2, 3] + [10, 11] vs [1, 2, 4]).
+    assert account.not_merged == {"prompt is not an extension of the previous turn": 1}
+    assert account.llm_calls == 3 and account.transitions == 3 and out.height == 3

@@ -74,6 +74,7 @@ class CompileConfig:
     agents: str | None = None
     intermediate: list[str] = field(default_factory=list)
     turn_weight: float = 0.0
+    merge_turns: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gamma <= 1.0:
@@ -99,6 +100,7 @@ class Accounting:
     llm_calls: int = 0
     excluded: Counter = field(default_factory=Counter)  # reason -> rollouts
     zero_variance_groups: int = 0
+    not_merged: Counter = field(default_factory=Counter)  # with --merge-turns: reason -> turn pairs
 
     @property
     def transitions_per_episode(self) -> float:
@@ -170,9 +172,48 @@ def compile_transitions(config: CompileConfig) -> tuple[pl.DataFrame, Accounting
         pl.lit("engine").alias("token_source"),
     ).sort(["task_id", "rollout_id", "turn"])
     account.compiled_rollouts = out["rollout_id"].n_unique()
+    account.llm_calls = out.height  # transitions per episode counts LLM calls, before any merging
+    if config.merge_turns:
+        out = merge_turns(out, account.not_merged)
     account.transitions = out.height
-    account.llm_calls = out.height
     return out, account
+
+
+def merge_turns(frame: pl.DataFrame, not_merged: Counter) -> pl.DataFrame:
+    """Merge consecutive turns of a rollout when one turn's prompt + completion is an exact prefix of the
+    next turn's prompt: one sample whose completion is the first completion, then the tokens between
+    (tool results, template tokens: loss_mask 0, logprob 0) and the next completion (loss_mask 1). The
+    merged sample keeps the first turn's index and the last turn's reward, return and advantage.
+    Pairs that cannot merge are counted by reason in `not_merged`."""
+    rows = frame.sort(["rollout_id", "turn"]).to_dicts()
+    merged: list[dict] = []
+    for row in rows:
+        last = merged[-1] if merged else None
+        if last is None or last["rollout_id"] != row["rollout_id"]:
+            merged.append(dict(row))
+            continue
+        reason = _merge_blocker(last, row)
+        if reason:
+            not_merged[reason] += 1
+            merged.append(dict(row))
+            continue
+        seen = len(last["prompt_ids"]) + len(last["completion_ids"])
+        gap = row["prompt_ids"][seen:]
+        last["completion_ids"] = last["completion_ids"] + gap + row["completion_ids"]
+        last["completion_logprobs"] = last["completion_logprobs"] + [0.0] * len(gap) + row["completion_logprobs"]
+        last["loss_mask"] = last["loss_mask"] + [0] * len(gap) + row["loss_mask"]
+        for key in ("reward", "return", "advantage"):
+            last[key] = row[key]
+    return pl.DataFrame(merged, schema=frame.schema)
+
+
+def _merge_blocker(previous: dict, current: dict) -> str | None:
+    if previous["agent"] != current["agent"]:
+        return "different agent"
+    context = previous["prompt_ids"] + previous["completion_ids"]
+    if current["prompt_ids"][:len(context)] != context:
+        return "prompt is not an extension of the previous turn"
+    return None
 
 
 def _add_intermediate_returns(steps: pl.DataFrame, config: CompileConfig) -> pl.DataFrame:
