@@ -207,3 +207,11 @@ def test_non_finite_doubles_are_stored_as_null():
     add_attrs(span.attributes, {"x": math.inf, "y": math.nan, "z": 1.5})
     row = otlp.decode_traces_protobuf(request.SerializeToString()).table.to_pylist()[0]
     assert json.loads(row["attributes"]) == {"x": None, "y": None, "z": 1.5}
+
+
+def test_the_c_decoder_is_built_and_chosen():
+    """CI must notice when the build silently stops producing the optional extension. Deliberately outside
+    test_otlp_fast.py, whose tests skip when the extension is missing."""
+    import os
+    assert otlp._otlp_fast is not None, "span_store/_otlp_fast.c was not built: check the compiler and the install log"  # noqa: SLF001
+    assert otlp.FAST_DECODER is (os.environ.get("LIGHTNING_OTEL_PURE_PYTHON", "") != "1")
