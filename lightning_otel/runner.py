@@ -199,9 +199,9 @@ class Runner:
         if self.instrument is None:
             raise UserError("opentelemetry-instrument is not installed (pip install opentelemetry-instrumentation)")
 
-    def run(self, tasks: list[Task], progress: Callable[[RolloutResult, int, int], None] | None = None
-            ) -> RolloutSummary:
-        argv = check_inputs(self.config, tasks)
+    def run(self, tasks: list[Task], argv: list[str],
+            progress: Callable[[RolloutResult, int, int], None] | None = None) -> RolloutSummary:
+        """Run every (task, sample); `argv` is the agent command as check_inputs() returned it."""
         self.write_records("tasks", [{"task_id": t.task_id, "fields": t.fields, "source": str(self.config.tasks),
                                       "created_ns": time.time_ns()} for t in tasks])
         jobs = [(task, attempt) for task in tasks for attempt in range(self.config.n)]
@@ -309,7 +309,7 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
     from lightning_otel.span_store.collector import Collector, CollectorConfig
 
     tasks = load_tasks(config.tasks)
-    check_inputs(config, tasks)
+    argv = check_inputs(config, tasks)  # before anything starts
     with ExitStack() as owned:
         info = discovery.find_collector(config.db)
         if info is None:
@@ -327,13 +327,12 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
             base_url_for = gateway.base_url
 
         def spans_of(rollout_id: str) -> list[dict]:
-            quoted = rollout_id.replace("'", "''")
-            return client.query(f"SELECT * FROM spans WHERE rollout_id = '{quoted}' ORDER BY start_ns",
-                                config.db).to_dicts()
+            return client.query(f"SELECT * FROM spans WHERE rollout_id = {client.sql_literal(rollout_id)} "
+                                "ORDER BY start_ns", config.db).to_dicts()
 
         runner = Runner(config, info.url, info.token, lambda table, rows: client.write_records(config.db, table, rows),
                         spans_of, base_url_for, policy_version)
-        return runner.run(tasks, progress)
+        return runner.run(tasks, argv, progress)
 
 
 def start_gateway(config: RolloutConfig, collector_info, engine, owned):

@@ -43,6 +43,11 @@ def _request(info: discovery.CollectorInfo, path: str, body: bytes, content_type
         raise UserError(f"cannot reach the collector at {info.url} (pid {info.pid}): {exc}") from None
 
 
+def sql_literal(value: str) -> str:
+    """A SQL string literal: the query endpoint takes one statement of text, without parameters."""
+    return "'" + value.replace("'", "''") + "'"
+
+
 def record_batches(sql: str, db: Path | str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """Stream a read query's result as Arrow record batches, from the live collector or the file."""
     info = discovery.find_collector(db)

@@ -120,10 +120,9 @@ def _reward_name(config: CompileConfig) -> str:
 
 def compile_transitions(config: CompileConfig) -> tuple[pl.DataFrame, Accounting]:
     name = _reward_name(config)
-    quoted = name.replace("'", "''")
     rollouts = client.query(SQL_ROLLOUTS, config.db)
     calls = client.query(SQL_CALLS, config.db)
-    rewards = client.query(SQL_EPISODE_REWARDS.replace("$name", f"'{quoted}'"), config.db)
+    rewards = client.query(SQL_EPISODE_REWARDS.replace("$name", client.sql_literal(name)), config.db)
     account = Accounting(rollouts=rollouts.height)
 
     def exclude(frame: pl.DataFrame, reason: str) -> None:
@@ -219,7 +218,7 @@ def _merge_blocker(previous: dict, current: dict) -> str | None:
 def _add_intermediate_returns(steps: pl.DataFrame, config: CompileConfig) -> pl.DataFrame:
     """Add the discounted returns of rewards on inner spans to `return`, and keep them as `intermediate`.
     Per rollout that has such rewards (few); the rest of the pipeline stays vectorised."""
-    names = ", ".join("'" + n.replace("'", "''") + "'" for n in config.intermediate)
+    names = ", ".join(client.sql_literal(n) for n in config.intermediate)
     rewards = client.query(SQL_INTERMEDIATE.replace("$names", names), config.db)
     ancestors = client.query(SQL_CALL_ANCESTORS, config.db)
     steps = steps.join(ancestors, on=["trace_id", "span_id"], how="left")
