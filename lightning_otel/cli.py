@@ -116,11 +116,29 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from lightning_otel.demo import DemoConfig, comparison_table, run_demo
+
+    config = DemoConfig(folder=args.folder, quick=args.quick, agent=args.agent)
+    logging.getLogger("lightning_otel.train.metrics").setLevel(logging.INFO)
+    print(f"lightning-otel demo{' --quick' if config.quick else ''}: baseline eval on {config.eval_tasks} held-out "
+          f"Spider questions, SFT warm start on {config.sft_tasks}, {config.rounds} GRPO round(s) of "
+          f"{config.tasks_per_round} tasks x {config.n} samples, eval again", flush=True)
+    result = run_demo(config, StepProgress())
+    print()
+    print(comparison_table(result["before"], result["after"]))
+    folder = result["folder"]
+    print(f"\nreport: {folder / 'report-after' / 'report.md'} (baseline: {folder / 'report-before'})")
+    print(f"trained run: {folder / 'run'} (metrics.jsonl, reward_curve.png, tensorboard/)")
+    print(f"traces: lightning-otel sql \"SELECT * FROM rollouts\" --db {folder / 'run' / 'traces.duckdb'}")
+    print(f"serve it: lightning-otel serve {folder / 'run'}")
+    return 0
+
+
+def cmd_tour(args: argparse.Namespace) -> int:
     from lightning_otel.span_store import client, tour
     from lightning_otel.span_store.export import export_parquet
 
-    print("The training demo (SFT warm start, GRPO rounds, eval) is still being built; until then this is")
-    print("a tour of the trace store over traces recorded from LangGraph, CrewAI, AutoGen and the OpenAI SDK.")
+    print("A tour of the trace store over traces recorded from LangGraph, CrewAI, AutoGen and the OpenAI SDK.")
     collector = tour.load_samples(args.folder)
     db = collector.db
     try:
@@ -224,10 +242,12 @@ class Progress:
 def cmd_compile(args: argparse.Namespace) -> int:
     from lightning_otel.train.compile import CompileConfig, compile_transitions
 
+    model = None if args.model.lower() == "none" else args.model
     frame, account = compile_transitions(CompileConfig(db=args.db, reward=args.reward, gamma=args.gamma,
                                                        advantage=args.advantage, agents=args.agents,
                                                        intermediate=args.intermediate or [],
-                                                       turn_weight=args.turn_weight, merge_turns=args.merge_turns))
+                                                       turn_weight=args.turn_weight, merge_turns=args.merge_turns,
+                                                       model=model, max_length=args.max_length, drift=args.drift))
     frame.write_parquet(args.out)
     print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts "
           f"({account.transitions_per_episode:.2f} per episode) -> {args.out}")
@@ -235,8 +255,105 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"  excluded: {count} rollout(s): {reason}")
     if account.zero_variance_groups:
         print(f"  {account.zero_variance_groups} group(s) of (task, policy version) had no reward variance")
+    if account.duplicate_calls:
+        print(f"  {account.duplicate_calls} duplicated LLM span(s) removed (one request recorded twice)")
+    if account.retokenized_calls:
+        print(f"  {account.retokenized_calls} call(s) without a token record re-tokenised from their messages "
+              f"(token_source=retokenized, no sampling logprobs)")
     for reason, count in sorted(account.not_merged.items()):
         print(f"  not merged: {count} pair(s) of turns: {reason}")
+    for line in account.drift.lines() if account.drift else []:
+        print(line)
+    return 0
+
+
+class StepProgress:
+    """Progress of named phases on stderr: one line per phase ("round 2/5 rollouts [####....] 6/16")."""
+
+    def __init__(self) -> None:
+        self.label: str | None = None
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        end = "\n" if done >= total or not sys.stderr.isatty() else ""
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{end}")
+        sys.stderr.flush()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from lightning_otel.train.config import load_config, render_toml
+
+    config = load_config(args.config, args.overrides)
+    print(f"# resolved config (saved as {config.output_dir}/config.toml)\n{render_toml(config)}", end="")
+    logging.getLogger("lightning_otel.train.metrics").setLevel(logging.INFO)
+    if args.offline:
+        from lightning_otel.train.offline import train_offline
+
+        if args.db is None:
+            raise UserError("--offline trains from a trace store: give --db traces.duckdb")
+        state = train_offline(config, args.db, args.where, args.objective, args.min_reward, StepProgress())
+    else:
+        from lightning_otel.train.trainer import train
+
+        if args.db is not None or args.where is not None:
+            raise UserError("--db/--where select stored traces for --offline training; online rounds write "
+                            "their traces into <output_dir>/traces.duckdb")
+        state = train(config, progress=StepProgress())
+    print(f"done: {config.output_dir} (policy version {state['policy_version']}, last {state['last']}, "
+          f"best {state['best']})")
+    print(f"evaluate it: lightning-otel eval --model {config.output_dir} --tasks TASKS --agent CMD --report DIR")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lightning_otel.eval import EvalConfig, evaluate
+
+    config = EvalConfig(tasks=args.tasks, agent=args.agent, report=args.report, model=args.model, n=args.n,
+                        baseline=args.baseline, db=args.db, data_dir=args.data_dir, max_tokens=args.max_tokens,
+                        concurrency=args.concurrency, timeout_s=args.timeout, temperature=args.temperature)
+    print("eval config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()), file=sys.stderr)
+    summary = evaluate(config, progress=Progress("eval").update).summary
+    acc = summary["accuracy"]
+
+    def pct(entry: dict) -> str:
+        if entry.get("accuracy") is None:
+            return "-"
+        low, high = entry["ci95"]
+        return (f"{100 * entry['accuracy']:.1f}% [{100 * low:.1f}, {100 * high:.1f}] "
+                f"({entry['correct']}/{entry['scored']})")
+
+    print(f"policy {summary['policy']['label']}: execution accuracy {pct(acc['overall'])}")
+    for level, entry in acc["by_hardness"].items():
+        print(f"  {level:<8} {pct(entry)}")
+    print(f"transitions per episode {summary['transitions_per_episode']['mean'] or 0:.2f}, tokens per episode "
+          f"{summary['tokens_per_episode']['total'] or 0:.0f}; outcomes: "
+          + ", ".join(f"{k}={v}" for k, v in summary["failure_classes"].items() if v))
+    if summary.get("baseline"):
+        first = summary["baseline"]["comparison"][0]
+        delta = "-" if first["delta"] is None else f"{100 * first['delta']:+.1f} points"
+        print(f"against baseline {summary['baseline']['label']}: accuracy {delta}")
+    print(f"report: {args.report / 'report.md'} (summary.json, plots; traces in {config.db})")
+    return 0
+
+
+def cmd_export_policy(args: argparse.Namespace) -> int:
+    from lightning_otel.serving import export_policy
+
+    out = export_policy(args.model, args.out, merge=args.merge)
+    kind = "merged model folder" if args.merge else "policy"
+    print(f"{kind} written to {out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lightning_otel.serving import serve_policy
+
+    def ready(url: str) -> None:
+        print(f"serving {args.model} at {url} (OpenAI-compatible; any model name). Ctrl-C stops.", flush=True)
+        print(f"  OPENAI_BASE_URL={url} OPENAI_API_KEY=any python your_agent.py", flush=True)
+
+    serve_policy(args.model, port=args.port, db=args.db, ready=ready)
     return 0
 
 
@@ -352,12 +469,80 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lambda of the turn-level term A_t = A + lambda * z_t (default 0: off)")
     p.add_argument("--merge-turns", action="store_true",
                    help="merge consecutive turns whose tokens extend the previous turn into one sample")
+    p.add_argument("--model", default="bundled",
+                   help="tokenizer and chat template for calls without a token record: a local Hugging Face model "
+                        "folder (default: the bundled model; 'none' excludes such rollouts instead)")
+    p.add_argument("--max-length", type=int, metavar="TOKENS",
+                   help="exclude rollouts with a call longer than this (prompt + completion tokens)")
+    p.add_argument("--drift", action="store_true",
+                   help="also re-tokenise calls that have a token record and report how often the ids differ")
     p.set_defaults(func=cmd_compile)
 
-    p = sub.add_parser("demo", help="the main job on embedded defaults (for now: a tour of the trace store)")
+    p = sub.add_parser("eval", help="evaluate a policy with an agent over a task file and write a report",
+                       description="Run the agent over the tasks (-n samples each) with the policy served "
+                                   "through vLLM and the gateway, score with spider_exec, and report execution "
+                                   "accuracy by Spider hardness, transitions and tokens per episode, failure "
+                                   "classes and latency, all computed from the trace store.")
+    p.add_argument("--tasks", type=Path, required=True, help="JSONL task file (Spider rows: question, db_id, query)")
+    p.add_argument("--agent", required=True,
+                   help='command template, e.g. "python agent.py --question {question} --db {db_path}"')
+    p.add_argument("--model", default="base",
+                   help="base (the bundled model), a training run folder (its best checkpoint), a checkpoint, a "
+                        "LoRA adapter folder or a model folder (default: base)")
+    p.add_argument("-n", type=int, default=1, help="samples per task (default: 1)")
+    p.add_argument("--report", type=Path, required=True, metavar="DIR",
+                   help="folder for report.md, summary.json and the plots")
+    p.add_argument("--baseline", type=Path, metavar="DIR", help="another eval's --report folder to compare with")
+    p.add_argument("--db", type=Path, help="DuckDB trace store (default: DIR/traces.duckdb)")
+    p.add_argument("--data-dir", type=Path, help="Spider-layout data folder for {db_path} (default: bundled)")
+    p.add_argument("--max-tokens", type=int, help="cap on the tokens of each generation (default: the agent's)")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature forced on every request, 0 = greedy (default: the agent's own)")
+    p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("demo", help="the main job on embedded defaults: eval, SFT + GRPO training, eval again",
+                       description="Train the plain-OpenAI SQL example agent on bundled Spider data with the "
+                                   "bundled model: baseline eval, SFT warm start, GRPO rounds, eval, report.")
     p.add_argument("--folder", type=Path, default=Path("lightning-otel-demo"),
-                   help="where the demo writes its files (default: ./lightning-otel-demo)")
+                   help="where the demo writes a fresh run-<time> folder (default: ./lightning-otel-demo)")
+    p.add_argument("--quick", action="store_true", help="a few minutes: 2 tasks x 2 samples, short generations")
+    p.add_argument("--agent", help="another agent command with {question} and {db_path} placeholders")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("tour", help="a tour of the trace store over bundled recorded traces (no model needed)")
+    p.add_argument("--folder", type=Path, default=Path("lightning-otel-tour"),
+                   help="where the tour writes its files (default: ./lightning-otel-tour)")
+    p.set_defaults(func=cmd_tour)
+
+    p = sub.add_parser("train", help="train the agent's policy: rounds of rollout and GRPO, or --offline",
+                       description="Rounds of rollout (vLLM through the gateway) and GRPO under DeepSpeed, "
+                                   "resumable: run the same command again after an interruption. Settings "
+                                   "come from --config (TOML) and key=value arguments (later wins).")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings over the config file, e.g. rounds=3")
+    p.add_argument("--config", type=Path, help="TOML file with train settings (keys: see docs or README)")
+    p.add_argument("--offline", action="store_true", help="train on traces already in --db, no new rollouts")
+    p.add_argument("--db", type=Path, help="with --offline: the trace store to train from")
+    p.add_argument("--where", help="with --offline: SQL condition on the rollouts view, e.g. \"status = 'ok'\"")
+    p.add_argument("--objective", choices=("grpo", "sft"), default="grpo",
+                   help="with --offline: GRPO (batch baseline where no groups) or SFT on successful rollouts")
+    p.add_argument("--min-reward", type=float, default=1.0, help="with --objective sft: the success threshold")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export-policy", help="write a trained policy as a LoRA adapter or a merged model folder")
+    p.add_argument("model", help="a training run folder (its best checkpoint), a checkpoint or an adapter folder")
+    p.add_argument("--out", type=Path, required=True, help="new folder to write")
+    p.add_argument("--merge", action="store_true", help="merge the adapter into the base model's weights")
+    p.set_defaults(func=cmd_export_policy)
+
+    p = sub.add_parser("serve", help="serve a trained policy behind the OpenAI-compatible gateway",
+                       description="Start vLLM on the policy's base model with its adapter and the gateway in "
+                                   "front; with --db every call is recorded in that trace store.")
+    p.add_argument("model", help="base, a training run folder, a checkpoint, an adapter or a model folder")
+    p.add_argument("--port", type=int, default=8000, help="gateway port on 127.0.0.1 (default: 8000)")
+    p.add_argument("--db", type=Path, help="record the served calls in this trace store")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("schema", help="print the reference of every table, view and column (Markdown)")
     p.add_argument("--markdown", action="store_true", help="Markdown output (the only format)")

@@ -104,7 +104,7 @@ class VLLMEngine:
         self.port = config.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.policy_version = 0
-        self.model_name = SERVED_NAME
+        self.model_name = self.base_name = SERVED_NAME
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
@@ -138,6 +138,20 @@ class VLLMEngine:
                 time.sleep(1)
         self.stop()
         raise UserError(f"the vLLM engine did not answer within {self.config.startup_timeout_s:.0f} s")
+
+    def attach(self, url: str) -> None:
+        """Use a vLLM OpenAI server started elsewhere (on this machine: adapters are loaded by path), with
+        --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. Its base model is the one it lists first."""
+        self.url = url.rstrip("/").removesuffix("/v1")
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as response:
+                models = json.loads(response.read()).get("data") or []
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as exc:
+            raise UserError(f"engine_url {url}: no OpenAI-compatible server answers there ({exc})") from None
+        bases = [m["id"] for m in models if not m.get("parent")]
+        if not bases:
+            raise UserError(f"engine_url {url}: the server lists no base model at /v1/models")
+        self.base_name = self.model_name = bases[0]
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -180,13 +194,31 @@ class VLLMEngine:
 
     def update_weights(self, adapter_dir: Path, version: int) -> None:
         """Serve a LoRA adapter as the new policy; requests after this call use it."""
-        name = f"{SERVED_NAME}-v{version}"
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)}, timeout=300)
+        name = f"{self.base_name}-v{version}"
+        body = {"lora_name": name, "lora_path": str(adapter_dir)}
+        try:
+            self._post("/v1/load_lora_adapter", body, timeout=300)
+        except EngineError as exc:
+            if exc.status != 400 or "already" not in str(exc.body):
+                raise
+            # A resumed run (or another run on a shared engine) loads version N again: replace it.
+            self._post("/v1/unload_lora_adapter", {"lora_name": name}, timeout=300)
+            self._post("/v1/load_lora_adapter", body, timeout=300)
         self.model_name, self.policy_version = name, version
+
+    def load_model(self, model_dir: Path, version: int) -> None:
+        """Serve a full model folder as the new policy (full fine-tuning): the engine restarts on it."""
+        if self.process is None:
+            raise UserError("full weights can only be reloaded into an engine started here; with an outside "
+                            "engine, train LoRA adapters (full_finetune = false)")
+        self.stop()
+        self.config.model_dir = Path(model_dir)
+        self.start()
+        self.model_name, self.policy_version = self.base_name, version
 
     def use_base(self) -> None:
         """Serve the base model again (adapters stay loaded in vLLM, unused)."""
-        self.model_name, self.policy_version = SERVED_NAME, 0
+        self.model_name, self.policy_version = self.base_name, 0
 
     def sleep(self) -> None:
         """Free accelerator memory between rounds: vLLM's sleep mode (GPU only, `sleep_mode=True`). On CPU

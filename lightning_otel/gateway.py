@@ -47,6 +47,10 @@ class GatewayConfig:
     native_tools: bool = False  # True when the model's chat template renders `tools` itself
     max_body_bytes: int = 16 * 1024 * 1024
     default_max_tokens: int = 512
+    # Training rollouts: cap every request's generation length, and sample at one temperature whatever the
+    # agent asks (GRPO needs diverse samples; temperature 1 keeps the recorded logprobs those of the policy).
+    max_tokens_cap: int | None = None
+    temperature: float | None = None
     max_n: int = 16
 
     def __post_init__(self) -> None:
@@ -129,6 +133,17 @@ class Gateway:
     def base_url(self, rollout_id: str | None = None) -> str:
         return f"{self.url}/r/{rollout_id}/v1" if rollout_id else f"{self.url}/v1"
 
+    def _apply_overrides(self, upstream: dict) -> None:
+        cap = self.config.max_tokens_cap
+        if cap is not None:
+            for key in ("max_tokens", "max_completion_tokens"):
+                if upstream.get(key) is not None:
+                    upstream[key] = min(upstream[key], cap)
+        if self.config.temperature is not None:
+            upstream["temperature"] = self.config.temperature
+            upstream.pop("top_p", None)
+            upstream.pop("top_k", None)
+
     # ---- chat completions ------------------------------------------------------------------------------
 
     def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
@@ -142,6 +157,7 @@ class Gateway:
             upstream.pop("tool_choice", None)
         if upstream.get("max_tokens") is None and upstream.get("max_completion_tokens") is None:
             upstream["max_tokens"] = self.config.default_max_tokens
+        self._apply_overrides(upstream)
         started = time.time_ns()
         result = self.engine.generate("/v1/chat/completions", upstream)
         ended = time.time_ns()
@@ -180,6 +196,7 @@ class Gateway:
         requested_model = str(body.get("model") or self.engine.model_name)
         upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         upstream.setdefault("max_tokens", self.config.default_max_tokens)
+        self._apply_overrides(upstream)
         started = time.time_ns()
         result = self.engine.generate("/v1/completions", upstream)
         ended = time.time_ns()

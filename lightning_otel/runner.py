@@ -61,6 +61,8 @@ class RolloutConfig:
     data_dir: Path | None = None
     timeout_s: float = 300.0
     work_dir: Path | None = None
+    max_tokens: int | None = None  # cap on every generation through the gateway
+    temperature: float | None = None  # sampling temperature forced on every request through the gateway
 
     def __post_init__(self) -> None:
         self.tasks, self.db = Path(self.tasks), Path(self.db)
@@ -71,6 +73,10 @@ class RolloutConfig:
             raise UserError(f"--concurrency {self.concurrency} must be at least 1")
         if self.timeout_s <= 0:
             raise UserError(f"--timeout {self.timeout_s} must be positive (seconds)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"max_tokens {self.max_tokens} must be at least 1")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise UserError(f"temperature {self.temperature} must be in [0, 2]")
         if not self.agent.strip():
             raise UserError("--agent is empty: give the command that runs your agent")
         if self.base_url is not None and self.model is not None:
@@ -348,7 +354,8 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
         engine.start()
         owned.callback(engine.stop)
     gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url, collector_token=collector_info.token,
-                                            native_tools=template_renders_tools(engine.config.model_dir)))
+                                            native_tools=template_renders_tools(engine.config.model_dir),
+                                            max_tokens_cap=config.max_tokens, temperature=config.temperature))
     gateway.start()
     owned.callback(gateway.close)
     return gateway

@@ -942,7 +942,8 @@ enum Col {
     C_TRACE_ID, C_SPAN_ID, C_PARENT_SPAN_ID, C_TRACE_STATE, C_FLAGS, C_NAME, C_KIND, C_START_NS, C_END_NS,
     C_STATUS_CODE, C_STATUS_MESSAGE, C_ATTRIBUTES, C_RESOURCE, C_SCOPE_NAME, C_SCOPE_VERSION, C_EVENTS,
     C_LINKS, C_SERVICE_NAME, C_ROLLOUT_ID, C_TASK_ID, C_ATTEMPT, C_OPERATION_NAME, C_REQUEST_MODEL,
-    C_RESPONSE_MODEL, C_INPUT_TOKENS, C_OUTPUT_TOKENS, C_RECEIVED_NS, N_COLS
+    C_RESPONSE_MODEL, C_INPUT_TOKENS, C_OUTPUT_TOKENS, C_RECEIVED_NS, C_RESPONSE_ID, C_ATTR_AGENT_NAME,
+    C_ATTR_SPAN_KIND, C_ATTR_AGENT_ROLE, C_ATTR_ENTITY_NAME, C_ATTR_TASK_NAME, N_COLS
 };
 
 /* Must equal otlp.SPAN_SCHEMA.names (tests/test_otlp_fast.py checks). */
@@ -950,7 +951,8 @@ static const char *const COL_NAMES[N_COLS] = {
     "trace_id", "span_id", "parent_span_id", "trace_state", "flags", "name", "kind", "start_ns", "end_ns",
     "status_code", "status_message", "attributes", "resource", "scope_name", "scope_version", "events",
     "links", "service_name", "rollout_id", "task_id", "attempt", "operation_name", "request_model",
-    "response_model", "input_tokens", "output_tokens", "received_ns",
+    "response_model", "input_tokens", "output_tokens", "received_ns", "response_id", "attr_agent_name",
+    "attr_span_kind", "attr_agent_role", "attr_entity_name", "attr_task_name",
 };
 static const char *const SPAN_KINDS[] = {"UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"};
 static const char *const STATUS_CODES[] = {"UNSET", "OK", "ERROR"};
@@ -1154,6 +1156,12 @@ static void promote(Decoder *d, size_t base, const Resource *res, PyObject **row
     row[C_INPUT_TOKENS] = as_int(attr_get(c, base, "gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"));
     row[C_OUTPUT_TOKENS] =
         as_int(attr_get(c, base, "gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"));
+    row[C_RESPONSE_ID] = as_str(attr_get(c, base, "gen_ai.response.id", NULL));
+    row[C_ATTR_AGENT_NAME] = as_str(attr_get(c, base, "gen_ai.agent.name", NULL));
+    row[C_ATTR_SPAN_KIND] = as_str(attr_get(c, base, "traceloop.span.kind", NULL));
+    row[C_ATTR_AGENT_ROLE] = as_str(attr_get(c, base, "crewai.agent.role", NULL));
+    row[C_ATTR_ENTITY_NAME] = as_str(attr_get(c, base, "traceloop.entity.name", NULL));
+    row[C_ATTR_TASK_NAME] = as_str(attr_get(c, base, "gen_ai.task.name", NULL));
 }
 
 static int add_row(Decoder *d, const Span *s, size_t base, const Resource *res, PyObject *scope_name,

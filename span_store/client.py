@@ -12,7 +12,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import orjson
 import polars as pl
@@ -75,6 +75,21 @@ def query_arrow(sql: str, db: Path | str) -> pa.Table:
     """Run one read statement and return an Arrow table."""
     schema, batches = record_batches(sql, db)
     return pa.Table.from_batches(list(batches), schema=schema)
+
+
+@contextmanager
+def reading(db: Path | str) -> Iterator[Callable[[str], pl.DataFrame]]:
+    """Several read statements on one store, each returning a Polars DataFrame: through the live collector,
+    or on one read-only connection to the file (opening a large file costs tens of milliseconds)."""
+    if discovery.find_collector(db) is not None:
+        yield lambda sql: query(sql, db)
+        return
+    con = store.connect(db, read_only=True)
+    reader = store.Reader(con)
+    try:
+        yield lambda sql: pl.from_arrow(reader.arrow(sql))  # type: ignore[return-value]
+    finally:
+        con.close()
 
 
 def query(sql: str, db: Path | str) -> pl.DataFrame:

@@ -56,7 +56,14 @@ SPAN_SCHEMA = pa.schema([
     ("request_model", pa.string()), ("response_model", pa.string()),
     ("input_tokens", pa.int64()), ("output_tokens", pa.int64()),
     ("received_ns", pa.int64()),
+    # gen_ai.response.id (stored), and the attributes the stored agent_name is computed from at insert
+    # (store.insert_batch; not stored themselves): read here, where the attributes are at hand, so that
+    # storing a span parses no JSON (migration 0006).
+    ("response_id", pa.string()), ("attr_agent_name", pa.string()), ("attr_span_kind", pa.string()),
+    ("attr_agent_role", pa.string()), ("attr_entity_name", pa.string()), ("attr_task_name", pa.string()),
 ])
+# Decoded columns that only feed columns computed at insert.
+INSERT_ONLY_COLUMNS = ("attr_agent_name", "attr_span_kind", "attr_agent_role", "attr_entity_name", "attr_task_name")
 
 LOG_SCHEMA = pa.schema([
     ("log_id", pa.string()), ("time_ns", pa.int64()), ("observed_ns", pa.int64()),
@@ -323,6 +330,12 @@ class _SpanColumns:
         c["output_tokens"].append(
             _as_int(get("gen_ai.usage.output_tokens", get("gen_ai.usage.completion_tokens"))))
         c["received_ns"].append(self.received_ns)
+        c["response_id"].append(_as_str(get("gen_ai.response.id")))
+        c["attr_agent_name"].append(_as_str(get("gen_ai.agent.name")))
+        c["attr_span_kind"].append(_as_str(get("traceloop.span.kind")))
+        c["attr_agent_role"].append(_as_str(get("crewai.agent.role")))
+        c["attr_entity_name"].append(_as_str(get("traceloop.entity.name")))
+        c["attr_task_name"].append(_as_str(get("gen_ai.task.name")))
 
     def result(self) -> Decoded:
         table = pa.Table.from_pydict(self.columns, schema=SPAN_SCHEMA)

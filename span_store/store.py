@@ -16,8 +16,10 @@ from typing import Iterator
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from lightning_otel.errors import UserError
+from lightning_otel.span_store import otlp
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +32,15 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 """
 # Plain INSERT first: it is ~1.5x faster than OR IGNORE on a large table (measured at 1M spans). When a
 # batch holds a row already stored (an exporter retry), the caller rolls back and inserts OR IGNORE.
-SQL_INSERT = {"traces": "INSERT INTO spans BY NAME SELECT * FROM batch",
+# Spans are stored with columns computed from what the decoder extracted (migration 0006: response_id,
+# agent_name); rows that come in the spans table's own shape get them from their JSON.
+SQL_INSERT = {"traces": "INSERT INTO spans BY NAME SELECT * FROM {source}",
               "logs": "INSERT INTO logs BY NAME SELECT * FROM batch"}
-SQL_INSERT_IGNORING_DUPLICATES = {"traces": "INSERT OR IGNORE INTO spans BY NAME SELECT * FROM batch",
+SQL_INSERT_IGNORING_DUPLICATES = {"traces": "INSERT OR IGNORE INTO spans BY NAME SELECT * FROM {source}",
                                   "logs": "INSERT OR IGNORE INTO logs BY NAME SELECT * FROM batch"}
+# The gateway's token records as typed rows (a retried batch adds nothing).
+GENERATE_SPAN = "lightning.generate"
+SQL_INSERT_TOKEN_RECORDS = "INSERT OR IGNORE INTO token_records SELECT * FROM token_records_of('batch')"
 SQL_INSERT_EMITTED_REWARDS = """
 INSERT INTO rewards (rollout_id, trace_id, span_id, name, value, source, created_ns, reward_span_id)
 SELECT DISTINCT ON (b.trace_id, b.span_id)
@@ -50,6 +57,10 @@ DELETE FROM spans WHERE trace_id IN (
     SELECT trace_id FROM spans GROUP BY trace_id HAVING max(greatest(start_ns, end_ns)) < $before)
 """
 SQL_PRUNE_LOGS = "DELETE FROM logs WHERE coalesce(nullif(time_ns, 0), observed_ns) < $before"
+SQL_PRUNE_TOKEN_RECORDS = """
+DELETE FROM token_records t
+WHERE NOT EXISTS (SELECT 1 FROM spans s WHERE s.trace_id = t.trace_id AND s.span_id = t.span_id)
+"""
 
 
 @dataclass(frozen=True)
@@ -218,10 +229,19 @@ def insert_batch(con: duckdb.DuckDBPyConnection, kind: str, batch: pa.Table, ski
     trace and span id, same log content) are skipped; without, a duplicate raises duckdb.ConstraintException
     (the caller then rolls back and retries with skip_duplicates)."""
     con.register("batch", batch)
+    names = set(batch.schema.names)
+    if "agent_name" in names:  # already has everything (rows copied from a store)
+        source = "batch"
+    elif names.issuperset(otlp.INSERT_ONLY_COLUMNS):
+        source = "spans_from_decoded('batch')"
+    else:
+        source = "spans_from_rows('batch')"
     try:
-        con.execute((SQL_INSERT_IGNORING_DUPLICATES if skip_duplicates else SQL_INSERT)[kind])
+        con.execute((SQL_INSERT_IGNORING_DUPLICATES if skip_duplicates else SQL_INSERT)[kind].format(source=source))
         if kind == "traces":
             con.execute(SQL_INSERT_EMITTED_REWARDS)
+            if pc.any(pc.equal(batch.column("name"), GENERATE_SPAN)).as_py():  # a statement less per commit
+                con.execute(SQL_INSERT_TOKEN_RECORDS)
     finally:
         try:
             con.unregister("batch")
@@ -287,6 +307,7 @@ def prune(con: duckdb.DuckDBPyConnection, before_ns: int) -> dict[str, int]:
     try:
         spans = con.execute(SQL_PRUNE_SPANS, {"before": before_ns}).fetchone()[0]
         logs = con.execute(SQL_PRUNE_LOGS, {"before": before_ns}).fetchone()[0]
+        con.execute(SQL_PRUNE_TOKEN_RECORDS)
         con.execute("COMMIT")
     except Exception:
         con.execute("ROLLBACK")

@@ -13,6 +13,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
 from lightning_otel.train.compile import CompileConfig, compile_transitions
 from lightning_otel.train.credit import EPS
+from lightning_otel.train.trajectories import TOKEN_MISMATCH
 from sdk import tracer_provider
 
 # rollout -> (task, status, reward, [(agent, has token record)] )
@@ -63,13 +64,14 @@ def test_transitions_and_accounting(store):
     out, account = compile_transitions(CompileConfig(db=store))
     assert sorted(out["rollout_id"].unique().to_list()) == ["r1", "r2"]
     assert account.rollouts == 8 and account.compiled_rollouts == 2 and account.transitions == 3
-    assert dict(account.excluded) == {"rollout failed": 1, "no reward": 1, "LLM call without a token record": 1,
-                                      "no LLM call": 1, "zero-variance group": 2}
+    assert dict(account.excluded) == {"rollout failed": 1, "no reward": 1, "no LLM call": 1, "zero-variance group": 2,
+                                      "LLM call without a token record (no tokenizer to re-tokenise it with: give "
+                                      "--model)": 1}
     assert account.zero_variance_groups == 1  # t2 (t3 has no rollout left)
     assert account.transitions_per_episode == 1.5
     r1 = out.filter(pl.col("rollout_id") == "r1").sort("turn").to_dicts()
-    assert [(t["turn"], t["agent"], t["prompt_ids"], t["completion_ids"], t["loss_mask"]) for t in r1] == \
-        [(0, "A", [1, 2, 3], [10, 11], [1, 1]), (1, "A", [1, 2, 4], [11, 11], [1, 1])]
+    assert [(t["turn"], t["agent"], t["agent_path"], t["prompt_ids"], t["completion_ids"], t["loss_mask"])
+            for t in r1] == [(0, "A", "A", [1, 2, 3], [10, 11], [1, 1]), (1, "A", "A", [1, 2, 4], [11, 11], [1, 1])]
     assert r1[0]["completion_logprobs"] == [-0.5, -0.25]
     expected = 0.5 / (math.sqrt(0.5) + EPS)
     assert [t["advantage"] for t in r1] == pytest.approx([expected, expected])
@@ -94,11 +96,19 @@ def test_agent_selection(store):
 
 def test_cli_and_bad_options(store, tmp_path, capsys):
     target = tmp_path / "t.parquet"
-    assert main(["compile", "--db", str(store), "--out", str(target)]) == 0
+    assert main(["compile", "--db", str(store), "--out", str(target)]) == 0  # the bundled tokenizer by default
     assert pl.read_parquet(target).height == 3
-    assert "3 transitions from 2 of 8 rollouts (1.50 per episode)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "3 transitions from 2 of 8 rollouts (1.50 per episode)" in printed
+    # r7's second call has neither a token record nor recorded messages to re-tokenise.
+    assert "excluded: 1 rollout(s): LLM call without a token record and no recorded messages to re-tokenise" \
+        in printed
+    assert main(["compile", "--db", str(store), "--out", str(target), "--model", "none"]) == 0
+    assert "LLM call without a token record (no tokenizer to re-tokenise it with: give --model)" in \
+        capsys.readouterr().out
     for config, needle in [(dict(gamma=0), "--gamma"), (dict(advantage="x"), "--advantage"),
-                           (dict(agents="("), "regular expression")]:
+                           (dict(agents="("), "regular expression"), (dict(max_length=1), "--max-length"),
+                           (dict(model=tmp_path), "no tokenizer there"), (dict(drift=True), "--drift needs")]:
         with pytest.raises(UserError, match=needle):
             CompileConfig(db=store, **config)
     client.write_records(store, "rewards", [{"rollout_id": "r1", "name": "other", "value": 1.0, "source": "function"}])
@@ -175,3 +185,38 @@ def test_merge_turns_through_compile_keeps_calls_per_episode(store):
     # r1's second prompt does not extend its first in this store ([1, 2, 3] + [10, 11] vs [1, 2, 4]).
     assert account.not_merged == {"prompt is not an extension of the previous turn": 1}
     assert account.llm_calls == 3 and account.transitions == 3 and out.height == 3
+
+
+def test_the_transitions_view_agrees_with_compile(store):
+    client.write_records(store, "rewards", [{"rollout_id": r, "name": "fmt", "value": v, "source": "function"}
+                                            for r, v in [("r1", 0.5), ("r2", 0.5), ("r3", 0.0), ("r4", 1.0)]])
+    view = client.query("SELECT * FROM transitions ORDER BY reward_name, task_id, rollout_id, turn", store)
+    assert sorted(set(view["reward_name"])) == ["exec", "fmt"]
+    for name in ("exec", "fmt"):
+        compiled, _ = compile_transitions(CompileConfig(db=store, reward=name))
+        compiled = compiled.sort(["task_id", "rollout_id", "turn"])  # rows come in the store's record order
+        mine = view.filter(pl.col("reward_name") == name).drop("reward_name")
+        assert mine.schema == compiled.schema
+        assert mine.to_dicts() == compiled.to_dicts(), name
+    # fmt: t1 (r1, r2) has no variance, t2 (r3, r4) has.
+    assert sorted(view.filter(pl.col("reward_name") == "fmt")["rollout_id"].unique()) == ["r3", "r4"]
+
+
+def test_over_length_and_inconsistent_token_records(store, collector):
+    _, account = compile_transitions(CompileConfig(db=store, max_length=4))  # every call has 3 + 2 tokens
+    assert account.excluded["over length (a call has more than 4 prompt + completion tokens)"] == 4
+    assert account.compiled_rollouts == 0
+    provider = tracer_provider(collector.url)
+    tracer = provider.get_tracer("agent")
+    ids = {"lightning.rollout.id": "r9"}
+    with tracer.start_as_current_span("openai.chat", attributes={**ids, "gen_ai.operation.name": "chat"}):
+        with tracer.start_as_current_span("lightning.generate", attributes={
+                **ids, "lightning.choice.index": 0, "lightning.prompt.token_ids": [1, 2],
+                "lightning.completion.token_ids": [3, 4], "lightning.completion.logprobs": [-0.5]}):
+            pass
+    provider.shutdown()
+    client.write_records(store, "rollout_runs", [{"rollout_id": "r9", "task_id": "t1", "attempt": 1, "status": "ok"}])
+    client.write_records(store, "rewards", [{"rollout_id": "r9", "name": "exec", "value": 1.0, "source": "function"}])
+    out, account = compile_transitions(CompileConfig(db=store))
+    assert account.excluded[TOKEN_MISMATCH] == 1 and "r9" not in out["rollout_id"].to_list()
+    assert "r9" not in client.query("SELECT rollout_id FROM transitions", store)["rollout_id"].to_list()

@@ -69,6 +69,8 @@ def test_groups_are_task_and_policy_version_and_flat_groups_are_dropped():
                   ("c", "t", 1, 0, 1.0, 1.0), ("d", "t", 1, 0, 1.0, 1.0),  # version 1: no variance
                   ("e", "u", 0, 0, 0.5, 0.5)])  # alone in its group
     for name, fn in ADVANTAGES.items():
+        if name == "none":
+            continue  # keeps everything by definition (supervised selection), tested below
         out, flat = fn(data)
         assert sorted(out["rollout_id"].to_list()) == ["a", "b"], name
         assert flat == 2, name
@@ -76,3 +78,33 @@ def test_groups_are_task_and_policy_version_and_flat_groups_are_dropped():
 
 def test_end_is_after_everything():
     assert END > 2**63
+
+
+def test_batch_baseline_normalises_lone_rollouts_against_each_other_and_groups_within_themselves():
+    import polars as pl
+
+    from lightning_otel.train.credit import ADVANTAGES
+
+    frame = pl.DataFrame({
+        "rollout_id": ["g1", "g2", "a", "b", "c", "c"],
+        "task_id": ["t", "t", "x", "y", "z", "z"],
+        "policy_version": [0, 0, 0, 0, 0, 0],
+        "reward": [1.0, 0.0, 1.0, 0.0, 0.5, 0.5],
+    })
+    out, flat = ADVANTAGES["batch-baseline"](frame)
+    adv = dict(zip(out["rollout_id"], out["advantage"]))
+    # group t: mean 0.5, sample std 0.7071
+    assert adv["g1"] == pytest.approx(0.5 / (0.5 ** 0.5 + 1e-6))
+    # lone rollouts a, b, c (c has two turns, counted once): mean 0.5, sample std 0.5
+    assert adv["a"] == pytest.approx(0.5 / (0.5 + 1e-6)) and adv["c"] == pytest.approx(0.0)
+    assert out.filter(pl.col("rollout_id") == "c").height == 2 and flat == 0
+
+
+def test_no_advantage_keeps_every_transition():
+    import polars as pl
+
+    from lightning_otel.train.credit import ADVANTAGES
+
+    frame = pl.DataFrame({"rollout_id": ["a"], "task_id": ["t"], "policy_version": [0], "reward": [1.0]})
+    out, flat = ADVANTAGES["none"](frame)
+    assert out["advantage"].to_list() == [0.0] and flat == 0

@@ -179,7 +179,7 @@ def test_csv_rendering_of_nested_columns(collector, db_path, capsys):
 
 
 def test_demo_tours_the_bundled_traces(tmp_path, capsys):
-    assert main(["demo", "--folder", str(tmp_path / "demo")]) == 0
+    assert main(["tour", "--folder", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     for needle in ("SQL Analyst", "write_query", "sql_agent", "execute_sql", "ro-langgraph-1"):
         assert needle in out

@@ -8,6 +8,14 @@ is never given 0. The episode reward (`--reward`) drives the advantage. Rewards 
 (`--intermediate NAME`, e.g. emitted on a failed tool call) add to the returns G_t of the transitions in
 their scope (credit.discounted_returns), and with `--turn-weight` lambda > 0 give the turn-level term
 A_t = A + lambda * z_t, z_t their return normalised within (task, agent, turn) groups.
+
+Trajectories come from trajectories.py (the store's trajectory_calls view: duplicated LLM spans removed,
+agent paths, token records). Calls without a token record are re-tokenised from their recorded messages
+when a tokenizer is given (`--model`; token_source='retokenized', completion_logprobs = [], so the trainer
+must compute their old logprobs itself: retokenize.py), else their rollouts are excluded with the reason.
+With the defaults the result equals the store's `transitions` view for the chosen reward name. Rows come
+in the order the store holds the token records (deterministic; not sorted: reordering the token lists
+would copy them, benchmarks/RESULTS.md), so sort by (task_id, rollout_id, turn) when order matters.
 """
 from __future__ import annotations
 
@@ -20,25 +28,12 @@ import polars as pl
 
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
+from lightning_otel.train import trajectories
 from lightning_otel.train.credit import ADVANTAGES, EPS, Call, Reward, discounted_returns
+from lightning_otel.train.retokenize import Drift
+from lightning_otel.train.trajectories import (SQL_CALLS, SQL_EPISODE_REWARDS, SQL_REWARD_NAMES, SQL_ROLLOUTS,
+                                                attach_tokens)
 
-SQL_CALLS = """
-SELECT c.rollout_id, c.trace_id, c.span_id, c.turn, c.agent, c.start_ns, c.end_ns,
-       g.span_id AS generation_span_id, g.policy_version AS generation_version, g.prompt_ids, g.completion_ids,
-       g.completion_logprobs
-FROM llm_calls c
-LEFT JOIN generations g ON g.trace_id = c.trace_id AND g.llm_span_id = c.span_id AND g.choice_index = 0
-WHERE c.rollout_id IS NOT NULL
-"""
-SQL_ROLLOUTS = "SELECT rollout_id, task_id, attempt, status, policy_version FROM rollouts"
-# The episode reward: a computed one (no target span), or one emitted on the rollout's own span.
-SQL_EPISODE_REWARDS = """
-SELECT r.rollout_id, arg_max(r.value, coalesce(r.created_ns, 0)) AS reward
-FROM rewards r LEFT JOIN spans s ON s.trace_id = r.trace_id AND s.span_id = r.span_id
-WHERE r.name = $name AND (r.span_id IS NULL OR s.name = 'lightning.rollout' OR s.parent_span_id IS NULL)
-GROUP BY r.rollout_id
-"""
-SQL_REWARD_NAMES = "SELECT name, count(DISTINCT rollout_id) AS rollouts FROM rewards GROUP BY name ORDER BY 2 DESC"
 # Rewards on inner spans: when each was received (its target's end) and its scope, the target's nearest
 # agent/task/node span, the target itself included (a reward on a sub-agent's span is about that sub-agent).
 SQL_INTERMEDIATE = """
@@ -55,8 +50,7 @@ up(rollout_id, value, trace_id, target, span_id, depth) AS (
     WHERE s.parent_span_id IS NOT NULL AND up.depth < 64
 )
 SELECT up.rollout_id, up.target, any_value(up.value) AS value, any_value(t.end_ns) AS received_ns,
-       arg_min(up.span_id, up.depth) FILTER (WHERE agent_name_of(s.name, s.attributes, s.operation_name) IS NOT NULL)
-           AS scope
+       arg_min(up.span_id, up.depth) FILTER (WHERE s.agent_name IS NOT NULL) AS scope
 FROM up JOIN spans s ON s.trace_id = up.trace_id AND s.span_id = up.span_id
 JOIN spans t ON t.trace_id = up.trace_id AND t.span_id = up.target
 GROUP BY up.rollout_id, up.target
@@ -75,6 +69,11 @@ class CompileConfig:
     intermediate: list[str] = field(default_factory=list)
     turn_weight: float = 0.0
     merge_turns: bool = False
+    # Tokenizer for calls without a token record: a model folder, "bundled", or None (such rollouts are
+    # then excluded, with the reason).
+    model: Path | str | None = None
+    max_length: int | None = None  # prompt + completion tokens; a rollout with a longer call is excluded
+    drift: bool = False  # also re-tokenise calls that have a token record and report the difference
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gamma <= 1.0:
@@ -85,6 +84,15 @@ class CompileConfig:
             raise UserError(f"--turn-weight {self.turn_weight} must be >= 0")
         if self.turn_weight and not self.intermediate:
             raise UserError("--turn-weight needs --intermediate rewards to weigh")
+        if self.max_length is not None and self.max_length < 2:
+            raise UserError(f"--max-length {self.max_length} must be at least 2 tokens")
+        if self.drift and self.model is None:
+            raise UserError("--drift needs the model's tokenizer: give --model")
+        if self.model is not None and str(self.model) not in ("bundled", "base"):
+            folder = Path(self.model).expanduser()
+            if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+                raise UserError(f"--model {self.model}: no tokenizer there (tokenizer.json / tokenizer_config.json); "
+                                f"give a Hugging Face model folder, or 'bundled'")
         if self.agents is not None:
             try:
                 re.compile(self.agents)
@@ -101,16 +109,19 @@ class Accounting:
     excluded: Counter = field(default_factory=Counter)  # reason -> rollouts
     zero_variance_groups: int = 0
     not_merged: Counter = field(default_factory=Counter)  # with --merge-turns: reason -> turn pairs
+    duplicate_calls: int = 0  # LLM spans that recorded a request another span already stands for (store-wide)
+    retokenized_calls: int = 0  # calls given ids from their recorded messages (token_source='retokenized')
+    drift: Drift | None = None  # with --drift
 
     @property
     def transitions_per_episode(self) -> float:
         return self.llm_calls / self.compiled_rollouts if self.compiled_rollouts else float("nan")
 
 
-def _reward_name(config: CompileConfig) -> str:
-    names = client.query(SQL_REWARD_NAMES, config.db)
+def _reward_name(config: CompileConfig, read: trajectories.Read) -> str:
     if config.reward:
         return config.reward
+    names = read(SQL_REWARD_NAMES)
     if names.height == 1:
         return names["name"][0]
     if names.height == 0:
@@ -119,11 +130,16 @@ def _reward_name(config: CompileConfig) -> str:
 
 
 def compile_transitions(config: CompileConfig) -> tuple[pl.DataFrame, Accounting]:
-    name = _reward_name(config)
-    rollouts = client.query(SQL_ROLLOUTS, config.db)
-    calls = client.query(SQL_CALLS, config.db)
-    rewards = client.query(SQL_EPISODE_REWARDS.replace("$name", client.sql_literal(name)), config.db)
-    account = Accounting(rollouts=rollouts.height)
+    with client.reading(config.db) as read:
+        return _compile(config, read)
+
+
+def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFrame, Accounting]:
+    name = _reward_name(config, read)
+    rollouts = read(SQL_ROLLOUTS)
+    calls = read(SQL_CALLS)
+    rewards = read(SQL_EPISODE_REWARDS.replace("$name", client.sql_literal(name)))
+    account = Accounting(rollouts=rollouts.height, duplicate_calls=int(calls["duplicates"].sum() or 0))
 
     def exclude(frame: pl.DataFrame, reason: str) -> None:
         if frame.height:
@@ -134,42 +150,57 @@ def compile_transitions(config: CompileConfig) -> tuple[pl.DataFrame, Accounting
     for status, group in failed.group_by("status"):
         exclude(group, f"rollout {status[0]}")
     live = rollouts.filter(pl.col("status").is_null() | (pl.col("status") == "ok"))
+    exclude(live.filter(pl.col("task_id").is_null()), "no task id (advantages compare rollouts of one task)")
+    live = live.filter(pl.col("task_id").is_not_null())
     with_reward = live.join(rewards, on="rollout_id", how="left")
     exclude(with_reward.filter(pl.col("reward").is_null()), "no reward")
     with_reward = with_reward.filter(pl.col("reward").is_not_null())
 
-    calls = calls.with_columns(pl.len().over("rollout_id").alias("_calls"))  # before any agent selection
+    calls = calls.with_columns(pl.len().over("rollout_id").alias("_calls"),  # before any agent selection
+                               pl.col("generation_version").min().over("rollout_id").alias("_record_version"))
     if config.agents is not None:
         calls = calls.filter(pl.col("agent").fill_null("").str.contains(config.agents))
     has_calls = with_reward.join(calls.select("rollout_id").unique(), on="rollout_id", how="semi")
     exclude(with_reward.join(has_calls, on="rollout_id", how="anti"),
             "no LLM call" if config.agents is None else "no LLM call of the selected agents")
-    missing_tokens = calls.filter(pl.col("generation_span_id").is_null()).select("rollout_id").unique()
-    # Re-tokenising calls the gateway did not serve is not built yet: such rollouts are left out whole.
-    exclude(has_calls.join(missing_tokens, on="rollout_id", how="semi"), "LLM call without a token record")
-    kept = has_calls.join(missing_tokens, on="rollout_id", how="anti")
+    tokens = attach_tokens(calls.join(has_calls.select("rollout_id"), on="rollout_id", how="semi"),
+                           read, config.model)
+    account.retokenized_calls = tokens.retokenized
+    for (reason,), group in tokens.excluded.group_by("reason"):
+        exclude(group, reason)
+    kept = has_calls.join(tokens.excluded, on="rollout_id", how="anti")
+    calls = tokens.calls
+    if config.max_length is not None:
+        long = calls.filter(pl.col("prompt_len") + pl.col("completion_len") > config.max_length)
+        over = kept.join(long.select("rollout_id").unique(), on="rollout_id", how="semi")
+        exclude(over, f"over length (a call has more than {config.max_length} prompt + completion tokens)")
+        kept = kept.join(over, on="rollout_id", how="anti")
+    if config.drift:
+        account.drift = trajectories.drift(read, config.model)
 
+    # Credit on the calls without their token lists; the lists are joined once, to the final rows.
     steps = (calls.join(kept, on="rollout_id", how="inner")
-             .with_columns(pl.coalesce("policy_version", "generation_version").fill_null(0).alias("policy_version"))
+             # One version per rollout: the runner's, else the lowest of its token records (groups need one).
+             .with_columns(pl.coalesce("policy_version", "_record_version").fill_null(0).alias("policy_version"))
              # Episode reward received at the end: d = calls after this one.
              .with_columns((pl.col("reward") * pl.lit(config.gamma) ** (pl.col("_calls") - 1 - pl.col("turn")))
                            .alias("return")))
     if config.intermediate:
-        steps = _add_intermediate_returns(steps, config)
+        steps = _add_intermediate_returns(steps, config, read)
     with_advantage, account.zero_variance_groups = ADVANTAGES[config.advantage](steps)
     if config.turn_weight:
         with_advantage = _add_turn_term(with_advantage, config.turn_weight)
     flat = steps.join(with_advantage.select("rollout_id").unique(), on="rollout_id", how="anti")
     account.excluded["zero-variance group"] += flat.select("rollout_id").n_unique()
-    out = with_advantage.select(
+    out = trajectories.join_lists(with_advantage, tokens.lists).select(
         "rollout_id", "task_id", pl.col("attempt").cast(pl.Int64), pl.col("policy_version").cast(pl.Int64), "agent",
-        pl.col("turn").cast(pl.Int32),
+        "agent_path", pl.col("turn").cast(pl.Int32),
         pl.col("prompt_ids").cast(pl.List(pl.Int32)), pl.col("completion_ids").cast(pl.List(pl.Int32)),
         pl.col("completion_logprobs").cast(pl.List(pl.Float32)),
         pl.col("completion_ids").list.eval(pl.lit(1, dtype=pl.Int8)).alias("loss_mask"),
         pl.col("reward").cast(pl.Float64), pl.col("return").cast(pl.Float64), pl.col("advantage").cast(pl.Float64),
-        pl.lit("engine").alias("token_source"),
-    ).sort(["task_id", "rollout_id", "turn"])
+        "token_source",
+    )
     account.compiled_rollouts = out["rollout_id"].n_unique()
     account.llm_calls = out.height  # transitions per episode counts LLM calls, before any merging
     if config.merge_turns:
@@ -199,7 +230,8 @@ def merge_turns(frame: pl.DataFrame, not_merged: Counter) -> pl.DataFrame:
         seen = len(last["prompt_ids"]) + len(last["completion_ids"])
         gap = row["prompt_ids"][seen:]
         last["completion_ids"] = last["completion_ids"] + gap + row["completion_ids"]
-        last["completion_logprobs"] = last["completion_logprobs"] + [0.0] * len(gap) + row["completion_logprobs"]
+        if last["token_source"] == "engine":  # re-tokenised samples have no logprobs to extend: they stay []
+            last["completion_logprobs"] = last["completion_logprobs"] + [0.0] * len(gap) + row["completion_logprobs"]
         last["loss_mask"] = last["loss_mask"] + [0] * len(gap) + row["loss_mask"]
         for key in ("reward", "return", "advantage"):
             last[key] = row[key]
@@ -209,18 +241,20 @@ def merge_turns(frame: pl.DataFrame, not_merged: Counter) -> pl.DataFrame:
 def _merge_blocker(previous: dict, current: dict) -> str | None:
     if previous["agent"] != current["agent"]:
         return "different agent"
+    if previous["token_source"] != current["token_source"]:
+        return "different token source (engine and re-tokenised)"
     context = previous["prompt_ids"] + previous["completion_ids"]
     if current["prompt_ids"][:len(context)] != context:
         return "prompt is not an extension of the previous turn"
     return None
 
 
-def _add_intermediate_returns(steps: pl.DataFrame, config: CompileConfig) -> pl.DataFrame:
+def _add_intermediate_returns(steps: pl.DataFrame, config: CompileConfig, read: trajectories.Read) -> pl.DataFrame:
     """Add the discounted returns of rewards on inner spans to `return`, and keep them as `intermediate`.
     Per rollout that has such rewards (few); the rest of the pipeline stays vectorised."""
     names = ", ".join(client.sql_literal(n) for n in config.intermediate)
-    rewards = client.query(SQL_INTERMEDIATE.replace("$names", names), config.db)
-    ancestors = client.query(SQL_CALL_ANCESTORS, config.db)
+    rewards = read(SQL_INTERMEDIATE.replace("$names", names))
+    ancestors = read(SQL_CALL_ANCESTORS)
     steps = steps.join(ancestors, on=["trace_id", "span_id"], how="left")
     parts = []
     for (rollout_id,), group in steps.group_by("rollout_id", maintain_order=True):

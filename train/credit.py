@@ -62,10 +62,11 @@ def discounted_returns(calls: list[Call], rewards: list[Reward], gamma: float = 
     return out
 
 
-def _normalise(frame: pl.DataFrame, value: str, by_rollout: bool) -> tuple[pl.DataFrame, int]:
-    """Add `advantage` from column `value`, normalised within (task_id, policy_version) groups whose
-    members are rollouts (by_rollout) or transitions. Drops zero-variance groups; returns how many."""
-    group = ["task_id", "policy_version"]
+def _normalise(frame: pl.DataFrame, value: str, by_rollout: bool,
+               group: tuple[str, ...] = ("task_id", "policy_version")) -> tuple[pl.DataFrame, int]:
+    """Add `advantage` from column `value`, normalised within groups (default (task_id, policy_version))
+    whose members are rollouts (by_rollout) or transitions. Drops zero-variance groups; returns how many."""
+    group = list(group)
     members = frame.unique(subset=["rollout_id"], keep="first") if by_rollout else frame
     stats = members.group_by(group).agg(pl.col(value).mean().alias("_mean"), pl.col(value).std(ddof=1).alias("_std"))
     flat = stats.filter(pl.col("_std").is_null() | (pl.col("_std") == 0)).height
@@ -86,7 +87,26 @@ def advantage_per_transition(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     return _normalise(frame, "return", by_rollout=False)
 
 
+def advantage_with_batch_baseline(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """Offline data without task groups: rollouts that share a (task, policy version) group with others get
+    the per-rollout advantage; a rollout alone in its group is normalised against all such lone rollouts
+    (a batch baseline: (R - batch mean) / (batch std + eps))."""
+    sizes = frame.group_by("task_id", "policy_version").agg(pl.col("rollout_id").n_unique().alias("_members"))
+    sized = frame.join(sizes, on=["task_id", "policy_version"])
+    grouped, flat = _normalise(sized.filter(pl.col("_members") > 1), "reward", by_rollout=True)
+    alone, flat_alone = _normalise(sized.filter(pl.col("_members") == 1), "reward", by_rollout=True,
+                                   group=("_members",))
+    return pl.concat([grouped, alone]).drop("_members"), flat + flat_alone
+
+
+def advantage_none(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """No advantage (0) and no group filtering: for supervised selection of trajectories by reward."""
+    return frame.with_columns(pl.lit(0.0).alias("advantage")), 0
+
+
 ADVANTAGES: dict[str, Callable[[pl.DataFrame], tuple[pl.DataFrame, int]]] = {
     "per-rollout": advantage_per_rollout,
     "per-transition": advantage_per_transition,
+    "batch-baseline": advantage_with_batch_baseline,
+    "none": advantage_none,
 }

@@ -1,0 +1,157 @@
+"""Evaluate a policy with an unchanged agent over a task file, and write a report.
+
+    lightning-otel eval --tasks dev.jsonl --agent "python examples/openai_sql/agent.py --question {question} \\
+        --db {db_path}" --model runs/sql-grpo --report reports/grpo --baseline reports/base
+
+    from lightning_otel.eval import EvalConfig, evaluate
+    result = evaluate(EvalConfig(tasks=..., agent=..., model="base", report=Path("reports/base")))
+
+The policy (lightning_otel.policy: the bundled model, a run's best checkpoint, a LoRA adapter or a model
+folder) is served by vLLM behind the token-recording gateway, a LoRA adapter hot-loaded with
+engine.update_weights. The rollout runner executes the agent n times per task, scored by spider_exec; the
+traces go to a DuckDB store (default <report>/traces.duckdb) and every number of the report is a query
+over it (lightning_otel.eval.metrics). An engine already running can be passed in (tests share one).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from lightning_otel.errors import UserError
+from lightning_otel.eval.metrics import REWARD, compute_metrics
+from lightning_otel.eval.plots import write_plots
+from lightning_otel.eval.report import comparison_rows, read_rounds, read_summary, write_report
+from lightning_otel.policy import Policy, resolve_policy
+from lightning_otel.rewards import bundled_data_dir
+from lightning_otel.runner import RolloutConfig, RolloutResult, check_inputs, load_tasks, run_rollouts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    tasks: Path
+    agent: str
+    report: Path
+    model: str = "base"
+    n: int = 1
+    baseline: Path | None = None
+    db: Path | None = None               # default: <report>/traces.duckdb
+    data_dir: Path | None = None         # Spider layout; default: the bundled subset
+    max_tokens: int | None = None        # cap on each generation, whatever the agent asks
+    temperature: float | None = None     # forced on every request (0 = greedy); None: the agent's own
+    concurrency: int = 2
+    timeout_s: float = 300.0
+    engine_python: str | None = None     # Python that runs vLLM; default: the project's engine venv
+
+    def __post_init__(self) -> None:
+        self.tasks, self.report = Path(self.tasks), Path(self.report)
+        self.db = Path(self.db) if self.db else self.report / "traces.duckdb"
+        self.data_dir = Path(self.data_dir) if self.data_dir else bundled_data_dir()
+        self.baseline = Path(self.baseline) if self.baseline else None
+        if not self.tasks.is_file():
+            raise UserError(f"--tasks {self.tasks}: no such file; give a JSONL task file (one object per line)")
+        if not str(self.model).strip():
+            raise UserError("--model is empty: give 'base', a run folder, a checkpoint, an adapter or a model folder")
+        if self.n < 1:
+            raise UserError(f"-n {self.n}: the number of samples per task must be at least 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"--max-tokens {self.max_tokens} must be at least 1")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise UserError(f"--temperature {self.temperature} must be in [0, 2]")
+        if self.report.exists() and not self.report.is_dir():
+            raise UserError(f"--report {self.report} is a file; give a folder for the report")
+        if self.baseline is not None and not (self.baseline / "summary.json").is_file():
+            raise UserError(f"--baseline {self.baseline}: no summary.json there; give the --report folder of an "
+                            f"earlier `lightning-otel eval`")
+        if not self.data_dir.is_dir():
+            raise UserError(f"--data-dir {self.data_dir} is not a folder")
+
+    def to_dict(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class EvalResult:
+    summary: dict
+    report_path: Path
+    rollout_ids: list[str] = field(default_factory=list)
+
+
+def adapter_rank(adapter: Path) -> int:
+    return int(json.loads((adapter / "adapter_config.json").read_text()).get("r", 8))
+
+
+def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
+    """The engine serving `policy`: the one given (checked, switched to the policy, restored on exit), or
+    one started here on the policy's base model."""
+    from lightning_otel.engine import EngineConfig, EngineError, VLLMEngine, default_engine_python
+
+    if engine is None:
+        rank = adapter_rank(policy.adapter) if policy.adapter else 8
+        engine = VLLMEngine(EngineConfig(model_dir=policy.base_model, python=config.engine_python or
+                                         default_engine_python(), max_lora_rank=max(16, rank),
+                                         log_path=config.report / "engine.log"))
+        log.info("starting the vLLM engine on %s (about a minute on CPU)", policy.base_model)
+        engine.start()
+        owned.callback(engine.stop)
+    else:
+        served = Path(engine.config.model_dir).resolve()
+        if served != policy.base_model.resolve():
+            raise UserError(f"the running engine serves {served}, but policy {policy.label} needs base model "
+                            f"{policy.base_model}; let eval start its own engine")
+        if policy.adapter and adapter_rank(policy.adapter) > engine.config.max_lora_rank:
+            raise UserError(f"adapter {policy.adapter} has rank {adapter_rank(policy.adapter)}, above the running "
+                            f"engine's max_lora_rank {engine.config.max_lora_rank}")
+        previous = (engine.model_name, engine.policy_version)
+
+        def restore() -> None:
+            engine.model_name, engine.policy_version = previous
+
+        owned.callback(restore)
+    if policy.adapter is not None:
+        try:
+            engine.update_weights(policy.adapter, policy.version)
+        except EngineError as exc:
+            raise UserError(f"the engine could not load the LoRA adapter {policy.adapter} as policy version "
+                            f"{policy.version}: {exc}") from None
+    elif engine.policy_version != 0:
+        engine.use_base()
+    return engine
+
+
+def evaluate(config: EvalConfig, engine=None,
+             progress: Callable[[RolloutResult, int, int], None] | None = None) -> EvalResult:
+    """Run the evaluation and write the report; returns the summary (also in <report>/summary.json)."""
+    log.info("eval config: %s", config.to_dict())
+    rollout_config = RolloutConfig(tasks=config.tasks, agent=config.agent, n=config.n,
+                                   concurrency=config.concurrency, db=config.db, reward=REWARD,
+                                   data_dir=config.data_dir, timeout_s=config.timeout_s,
+                                   max_tokens=config.max_tokens, temperature=config.temperature)
+    tasks = load_tasks(config.tasks)
+    check_inputs(rollout_config, tasks)  # bad tasks or commands fail before an engine starts
+    baseline = read_summary(config.baseline) if config.baseline else None
+    policy = resolve_policy(config.model, config.engine_python)
+    log.info("policy: %s", policy.to_dict())
+    config.report.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with ExitStack() as owned:
+        served = serve_policy(policy, config, engine, owned)
+        results = run_rollouts(rollout_config, progress=progress, engine=served).results
+    rollout_ids = [r.rollout_id for r in results]
+    summary = {"config": config.to_dict(), "policy": policy.to_dict(), "store": str(config.db),
+               "tasks": len(tasks), "started": started, "wall_s": time.time() - started,
+               **compute_metrics(config.db, rollout_ids, config.data_dir)}
+    summary["rounds"] = read_rounds(policy.run_dir)
+    if baseline is not None:
+        summary["baseline"] = {"path": str(config.baseline), "label": baseline["policy"]["label"],
+                               "comparison": comparison_rows(summary, baseline)}
+    summary["plots"] = write_plots(summary, baseline, config.report)
+    path = write_report(summary, config.report)
+    log.info("report written to %s", path)
+    return EvalResult(summary, path, rollout_ids)

@@ -1,0 +1,84 @@
+"""Using a trained policy: export it as a folder other tools load, or serve it behind the gateway.
+
+    lightning-otel export-policy runs/sql --out sql-policy [--merge]
+    lightning-otel serve runs/sql --port 8000 [--db traces.duckdb]
+
+`--model`-style values are resolved by lightning_otel.policy (a run folder means its best checkpoint).
+Export writes the LoRA adapter as PEFT saves it, or with --merge one full Hugging Face model folder (the
+adapter merged into the base weights, tokenizer included) that any inference server loads. Serve starts
+vLLM on the base model with the adapter hot-loaded and the OpenAI-compatible gateway in front of it; every
+call keeps being recorded as a `lightning.generate` span in the store, so traffic from the user's own
+agents can train the next version (`lightning-otel train --offline`).
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable
+
+from lightning_otel.errors import UserError
+from lightning_otel.policy import Policy, resolve_policy
+
+log = logging.getLogger(__name__)
+
+
+def export_policy(spec: str, out: Path, merge: bool = False, python: str | None = None) -> Path:
+    policy = resolve_policy(spec, python)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} exists and is not empty: give a new folder")
+    if policy.adapter is None:
+        shutil.copytree(policy.base_model, out, dirs_exist_ok=True)
+        return out
+    if not merge:
+        shutil.copytree(policy.adapter, out, dirs_exist_ok=True)
+        return out
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(policy.base_model)
+    merged = PeftModel.from_pretrained(base, policy.adapter).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(policy.base_model).save_pretrained(out)
+    return out
+
+
+def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: str | None = None,
+                 ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
+                 engine=None) -> None:
+    """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on 127.0.0.1:port. An engine
+    already running on the policy's base model may be given instead of starting one."""
+    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.gateway import Gateway, GatewayConfig, template_renders_tools
+    from lightning_otel.span_store import discovery
+    from lightning_otel.span_store.collector import Collector, CollectorConfig
+
+    python = python or default_engine_python()
+    policy: Policy = resolve_policy(spec, python)
+    with ExitStack() as owned:
+        collector_url = collector_token = None
+        if db is not None:
+            info = discovery.find_collector(db)
+            if info is None:
+                collector = Collector(CollectorConfig(db=db, port=0))
+                collector.start()
+                owned.callback(collector.close)
+                info = collector.info
+            collector_url, collector_token = info.url, info.token
+        if engine is None:
+            engine = VLLMEngine(EngineConfig(model_dir=policy.base_model, python=python))
+            log.info("starting the vLLM engine on %s", policy.base_model)
+            engine.start()
+            owned.callback(engine.stop)
+        if policy.adapter is not None:
+            engine.update_weights(policy.adapter, max(policy.version, 1))
+        gateway = Gateway(engine, GatewayConfig(port=port, collector_url=collector_url, collector_token=collector_token,
+                                                native_tools=template_renders_tools(policy.base_model)))
+        gateway.start()
+        owned.callback(gateway.close)
+        if ready:
+            ready(gateway.base_url(None))
+        (stop or threading.Event()).wait()

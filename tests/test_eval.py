@@ -1,0 +1,375 @@
+"""The evaluator on real parts: the plain-OpenAI example agent (examples/openai_sql) under the rollout
+runner, the bundled model on the shared vLLM engine, spider_exec, a DuckDB store. The report's numbers
+are recounted here from the store with this file's own SQL; model resolution runs on real folders
+(a LoRA adapter saved with peft on the bundled model)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sqlite3
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from lightning_otel.cli import main
+from lightning_otel.errors import UserError
+from lightning_otel.eval import EvalConfig, evaluate
+from lightning_otel.eval.metrics import classify, wilson_interval
+from lightning_otel.eval.report import comparison_rows, read_rounds
+from lightning_otel.model import bundled_model_dir
+from lightning_otel.policy import resolve_policy
+from lightning_otel.rewards import bundled_data_dir, database_path
+
+REPO = Path(__file__).resolve().parent.parent
+AGENT = f"{sys.executable} {REPO / 'examples' / 'openai_sql' / 'agent.py'} --question {{question}} --db {{db_path}}"
+MAX_TOKENS = 48  # below the agent's own 96, so the cap shows in the token records
+
+
+def spider_tasks(wanted: list[str], dbs: tuple[str, ...] = ("singer", "poker_player", "network_1")) -> list[dict]:
+    """The first bundled dev questions of the wanted hardness levels (in order) over small databases."""
+    rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines()]
+    picked: list[dict] = []
+    for level in wanted:
+        picked.append(next(r for r in rows if r["hardness"] == level and r["db_id"] in dbs and r not in picked))
+    return picked
+
+
+def write_tasks(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_eval(engine, tmp_path_factory):
+    """One evaluation of the bundled model over 5 tasks, shared by the tests that read its report."""
+    folder = tmp_path_factory.mktemp("eval-base")
+    tasks = write_tasks(folder / "tasks.jsonl", spider_tasks(["easy", "easy", "medium", "hard", "extra"]))
+    config = EvalConfig(tasks=tasks, agent=AGENT, report=folder / "report", model="base", n=1,
+                        max_tokens=MAX_TOKENS, timeout_s=240)
+    before = (engine.model_name, engine.policy_version)
+    result = evaluate(config, engine=engine)
+    assert (engine.model_name, engine.policy_version) == before
+    return config, result
+
+
+def own_percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), written out."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+RECOUNT = """
+SELECT r.rollout_id, r.status, r.final_output, (r.ended_ns - r.started_ns) / 1e9 AS seconds,
+       json_extract_string(t.fields, '$.hardness') AS hardness, json_extract_string(t.fields, '$.db_id') AS db_id,
+       (SELECT max(w.value) FROM rewards w WHERE w.rollout_id = r.rollout_id AND w.name = 'spider_exec') AS reward,
+       (SELECT count(*) FROM spans s WHERE s.rollout_id = r.rollout_id AND s.name = 'openai.chat') AS chats,
+       (SELECT list(json_array_length(json_extract(s.attributes, '$."lightning.completion.token_ids"')))
+        FROM spans s WHERE s.rollout_id = r.rollout_id AND s.name = 'lightning.generate') AS completion_lengths,
+       (SELECT sum(json_array_length(json_extract(s.attributes, '$."lightning.prompt.token_ids"')))
+        FROM spans s WHERE s.rollout_id = r.rollout_id AND s.name = 'lightning.generate') AS prompt_tokens
+FROM rollout_runs r JOIN tasks t ON t.task_id = r.task_id
+"""
+
+
+def test_report_numbers_match_a_recount_from_the_store(base_eval):
+    config, result = base_eval
+    summary = result.summary
+    with duckdb.connect(str(config.db), read_only=True) as con:
+        cursor = con.execute(RECOUNT)
+        names = [d[0] for d in cursor.description]
+        rows = [dict(zip(names, row)) for row in cursor.fetchall()]
+    assert len(rows) == 5 == summary["rollouts"]
+    assert sorted(r["rollout_id"] for r in rows) == sorted(result.rollout_ids)
+    assert all(r["reward"] in (0.0, 1.0) for r in rows)  # every task has a gold query: all scored
+
+    correct = sum(r["reward"] == 1.0 for r in rows)
+    overall = summary["accuracy"]["overall"]
+    assert (overall["rollouts"], overall["scored"], overall["correct"]) == (5, 5, correct)
+    assert overall["accuracy"] == pytest.approx(correct / 5)
+    assert overall["ci95"] == pytest.approx(list(wilson_interval(correct, 5)))
+    for level in ("easy", "medium", "hard", "extra"):
+        mine = [r for r in rows if r["hardness"] == level]
+        entry = summary["accuracy"]["by_hardness"][level]
+        assert entry["rollouts"] == len(mine)
+        assert entry["correct"] == sum(r["reward"] == 1.0 for r in mine)
+    assert list(summary["accuracy"]["by_hardness"]) == ["easy", "medium", "hard", "extra"]
+
+    assert all(1 <= r["chats"] <= 3 for r in rows)  # the agent makes at most three calls
+    tpe = summary["transitions_per_episode"]
+    assert tpe["mean"] == pytest.approx(sum(r["chats"] for r in rows) / 5)
+    assert tpe["histogram"] == {str(k): sum(r["chats"] == k for r in rows) for k in {r["chats"] for r in rows}}
+    assert all(len(r["completion_lengths"]) == r["chats"] for r in rows)  # one token record per call
+    assert all(0 < n <= MAX_TOKENS for r in rows for n in r["completion_lengths"])  # the cap held
+    completion = [sum(r["completion_lengths"]) for r in rows]
+    assert summary["tokens_per_episode"]["completion"] == pytest.approx(sum(completion) / 5)
+    assert summary["tokens_per_episode"]["prompt"] == pytest.approx(sum(r["prompt_tokens"] for r in rows) / 5)
+    seconds = [r["seconds"] for r in rows]
+    assert summary["latency"]["rollout_s"]["p50"] == pytest.approx(own_percentile(seconds, 0.5))
+    assert summary["latency"]["rollout_s"]["p90"] == pytest.approx(own_percentile(seconds, 0.9))
+    assert summary["latency"]["llm_call_ms"]["calls"] == sum(r["chats"] for r in rows)
+
+    classes = summary["failure_classes"]
+    assert sum(classes.values()) == 5 and classes["correct"] == correct
+    assert classes["agent_error"] == sum(r["status"] in ("failed", "error") and r["reward"] == 0.0 for r in rows)
+    by_id = {e["rollout_id"]: e["failure_class"] for e in summary["episodes"]}
+    for row in rows:
+        if by_id[row["rollout_id"]] in ("sql_error", "wrong_result"):  # re-run the final SQL here
+            con = sqlite3.connect(database_path(bundled_data_dir(), row["db_id"]))
+            try:
+                con.execute(row["final_output"]).fetchall()
+                ran = True
+            except sqlite3.Error:
+                ran = False
+            finally:
+                con.close()
+            assert ran == (by_id[row["rollout_id"]] == "wrong_result"), row["final_output"]
+
+
+def test_report_files(base_eval):
+    config, result = base_eval
+    report = config.report
+    saved = json.loads((report / "summary.json").read_text())
+    assert saved["config"]["tasks"] == str(config.tasks) and saved["config"]["max_tokens"] == MAX_TOKENS
+    assert saved["policy"]["label"] == "base" and saved["policy"]["adapter"] is None
+    assert saved["accuracy"] == result.summary["accuracy"]
+    text = (report / "report.md").read_text()
+    overall = result.summary["accuracy"]["overall"]
+    assert f"{100 * overall['accuracy']:.1f}%" in text and "| extra |" in text
+    for name in ("accuracy_by_hardness.png", "transitions_per_episode.png"):
+        assert (report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in text
+    assert not (report / "reward_by_round.png").exists()  # not a run folder: no rounds to plot
+    assert saved["rounds"] == []
+
+
+MAKE_PEFT_ADAPTER = """
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                              init_lora_weights=False, task_type="CAUSAL_LM"))
+peft_model.save_pretrained(sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory) -> Path:
+    """A real PEFT LoRA adapter (random, non-zero B) on the bundled model, saved by peft itself."""
+    import subprocess
+    out = tmp_path_factory.mktemp("peft") / "adapter"
+    made = subprocess.run([sys.executable, "-c", MAKE_PEFT_ADAPTER, str(bundled_model_dir()), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert (out / "adapter_config.json").is_file()
+    return out
+
+
+def make_run(root: Path, adapter: Path, run: dict, rounds: list[dict] | None = None) -> Path:
+    """A training run folder as the trainer writes it: run.json, checkpoints/round-NNNN/adapter, metrics."""
+    for name in ("round-0002", "round-0007"):
+        shutil.copytree(adapter, root / "checkpoints" / name / "adapter")
+    (root / "run.json").write_text(json.dumps(run))
+    if rounds is not None:
+        (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    return root
+
+
+def test_eval_of_a_run_serves_its_best_checkpoint_and_compares_with_a_baseline(engine, base_eval, peft_adapter,
+                                                                                 tmp_path):
+    base_config, base_result = base_eval
+    rounds = [{"round": i, "reward_mean": 0.1 * i, "reward_std": 0.05} for i in range(1, 4)]
+    run = make_run(tmp_path / "run", peft_adapter, {"model": "base", "best": "checkpoints/round-0007",
+                                                    "last": "checkpoints/round-0002"}, rounds)
+    tasks = write_tasks(tmp_path / "tasks.jsonl", spider_tasks(["easy", "medium"]))
+    before = (engine.model_name, engine.policy_version)
+    config = EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "report", model=str(run), n=1,
+                        max_tokens=24, baseline=base_config.report, timeout_s=240)
+    summary = evaluate(config, engine=engine).summary
+    assert (engine.model_name, engine.policy_version) == before  # the shared engine is left as found
+
+    assert summary["policy"]["adapter"] == str(run / "checkpoints" / "round-0007" / "adapter")
+    assert summary["policy"]["version"] == 7 and summary["policy"]["label"] == "run/checkpoints/round-0007"
+    with duckdb.connect(str(config.db), read_only=True) as con:
+        versions = con.execute("SELECT policy_version, rollout_id, request_model, count(*) FROM generations "
+                               "GROUP BY ALL ORDER BY ALL").fetchall()
+        runs = con.execute("SELECT policy_version, rollout_id, status FROM rollout_runs ORDER BY ALL").fetchall()
+    assert runs and all(r[0] == 7 for r in runs), runs
+    assert {v[1] for v in versions} == {r[1] for r in runs}, (versions, runs)
+    assert all(v[0] == 7 for v in versions), versions  # every generation came from the adapter
+
+    assert summary["rounds"] == rounds
+    assert (config.report / "reward_by_round.png").read_bytes()[:4] == b"\x89PNG"
+    baseline = json.loads((base_config.report / "summary.json").read_text())
+    rows = {r["metric"]: r for r in summary["baseline"]["comparison"]}
+    ours, theirs = summary["accuracy"]["overall"]["accuracy"], baseline["accuracy"]["overall"]["accuracy"]
+    assert rows["accuracy (all)"] == {"metric": "accuracy (all)", "value": ours, "baseline": theirs,
+                                      "delta": pytest.approx(ours - theirs)}
+    assert rows["accuracy (extra)"]["value"] is None and rows["accuracy (extra)"]["delta"] is None
+    assert rows["transitions per episode (mean)"]["delta"] == pytest.approx(
+        summary["transitions_per_episode"]["mean"] - baseline["transitions_per_episode"]["mean"])
+    text = (config.report / "report.md").read_text()
+    assert "## Against the baseline: base" in text and "| accuracy (all) |" in text
+
+
+# ---- model resolution on real folders ---------------------------------------------------------------
+
+def test_base_is_the_bundled_model():
+    policy = resolve_policy("base")
+    assert policy.base_model == bundled_model_dir() and policy.adapter is None and policy.version == 0
+
+
+def test_run_folder_means_its_best_checkpoint_else_its_last(peft_adapter, tmp_path):
+    run = make_run(tmp_path / "a", peft_adapter, {"model": "base", "best": "checkpoints/round-0007",
+                                                  "last": "checkpoints/round-0002"})
+    policy = resolve_policy(str(run))
+    assert policy.adapter == run / "checkpoints" / "round-0007" / "adapter"
+    assert policy.base_model == bundled_model_dir() and policy.version == 7 and policy.run_dir == run
+    run = make_run(tmp_path / "b", peft_adapter, {"model": "base", "best": None, "last": "checkpoints/round-0002"})
+    policy = resolve_policy(run)
+    assert policy.adapter == run / "checkpoints" / "round-0002" / "adapter" and policy.version == 2
+
+
+def test_checkpoint_and_adapter_folders(peft_adapter, tmp_path):
+    own_base = tmp_path / "my-base"
+    own_base.mkdir()
+    shutil.copy(bundled_model_dir() / "config.json", own_base / "config.json")
+    run = make_run(tmp_path / "run", peft_adapter, {"model": str(own_base), "best": "checkpoints/round-0007"})
+    checkpoint = run / "checkpoints" / "round-0002"
+    by_checkpoint = resolve_policy(checkpoint)
+    assert by_checkpoint.adapter == checkpoint / "adapter" and by_checkpoint.base_model == own_base
+    by_adapter = resolve_policy(checkpoint / "adapter")  # run.json three levels up names the base
+    assert by_adapter.adapter == checkpoint / "adapter" and by_adapter.base_model == own_base
+    assert by_adapter.version == 2
+
+    # A lone adapter: its config's base when that is a local model folder, else the bundled model.
+    alone = tmp_path / "alone"
+    shutil.copytree(peft_adapter, alone)
+    config = json.loads((alone / "adapter_config.json").read_text())
+    (alone / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(own_base)}))
+    assert resolve_policy(alone).base_model == own_base
+    (alone / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path":
+                                                           "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    lone = resolve_policy(alone)
+    assert lone.base_model == bundled_model_dir() and lone.adapter == alone and lone.version == 1
+
+
+def test_full_model_folders(tmp_path):
+    full = tmp_path / "run" / "checkpoints" / "round-0003" / "model"
+    full.mkdir(parents=True)
+    shutil.copy(bundled_model_dir() / "config.json", full / "config.json")
+    policy = resolve_policy(full.parent)
+    assert (policy.base_model, policy.adapter, policy.version) == (full, None, 3)
+    assert resolve_policy(bundled_model_dir()).base_model == bundled_model_dir()
+
+
+@pytest.mark.parametrize("setup,needle", [
+    (lambda p: p / "missing", "no such folder"),
+    (lambda p: (p / "file.txt").write_text("x") and p / "file.txt", "is a file"),
+    (lambda p: p, "found no run.json, adapter/, model/"),
+    (lambda p: (p / "run.json").write_text('{"model": "base"}') and p, "names no checkpoint"),
+    (lambda p: (p / "run.json").write_text('{"best": "checkpoints/round-0009"}') and p, "is not a folder"),
+    (lambda p: (p / "run.json").write_text("{oops") and p, "is not JSON"),
+    (lambda p: (p / "adapter_config.json").write_text('{"peft_type": "PREFIX_TUNING"}') and p, "only LoRA"),
+])
+def test_unusable_model_specs_say_what_was_expected(tmp_path, setup, needle):
+    with pytest.raises(UserError, match=needle):
+        resolve_policy(setup(tmp_path))
+
+
+def test_unknown_model_name_fails_before_an_engine_starts(tmp_path):
+    tasks = write_tasks(tmp_path / "t.jsonl", spider_tasks(["easy"]))
+    with pytest.raises(UserError, match="expected 'base' \\(the bundled model\\), a training run folder"):
+        evaluate(EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", model="gpt-4o"))
+    assert not (tmp_path / "r" / "traces.duckdb").exists()
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------------
+
+def test_bad_inputs_give_clear_errors(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(UserError, match="has no tasks"):
+        evaluate(EvalConfig(tasks=empty, agent=AGENT, report=tmp_path / "r"))
+    with pytest.raises(UserError, match="--tasks .*nope.jsonl: no such file"):
+        EvalConfig(tasks=tmp_path / "nope.jsonl", agent=AGENT, report=tmp_path / "r")
+    tasks = write_tasks(tmp_path / "t.jsonl", spider_tasks(["easy"]))
+    with pytest.raises(UserError, match="no summary.json"):
+        EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", baseline=tmp_path)
+    with pytest.raises(UserError, match="at least 1"):
+        EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", n=0)
+    with pytest.raises(UserError, match="agent command not found"):
+        evaluate(EvalConfig(tasks=tasks, agent="no-such-agent {question}", report=tmp_path / "r"))
+
+
+def test_cli_reports_bad_inputs_without_traceback(tmp_path, capsys):
+    code = main(["eval", "--tasks", str(tmp_path / "nope.jsonl"), "--agent", AGENT, "--report", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "Traceback" not in err
+
+
+def test_running_engine_must_serve_the_policy_base(engine, tmp_path):
+    other = tmp_path / "other-model"
+    other.mkdir()
+    shutil.copy(bundled_model_dir() / "config.json", other / "config.json")
+    tasks = write_tasks(tmp_path / "t.jsonl", spider_tasks(["easy"]))
+    with pytest.raises(UserError, match="the running engine serves"):
+        evaluate(EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", model=str(other)), engine=engine)
+
+
+# ---- pure parts ----------------------------------------------------------------------------------------
+
+def test_wilson_interval_on_hand_computed_values():
+    # p = 0.5, n = 10, z = 1.96: centre 0.5, half-width 1.96 * sqrt(0.025 + 0.0096) / 1.384 = 0.2634
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    # p = 0, n = 10: upper bound z^2/n / (1 + z^2/n) = 0.38416 / 1.38416 = 0.2775
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(0, 0) is None
+
+
+def test_failure_classes_from_status_output_and_re_execution():
+    data = bundled_data_dir()
+
+    def row(**kw) -> dict:
+        return {"reward": 0.0, "status": "ok", "final_output": "SELECT Name FROM singer", "db_id": "singer", **kw}
+
+    assert classify(row(reward=None), data) == "unscored"
+    assert classify(row(reward=1.0, status="failed"), data) == "correct"
+    assert classify(row(status="timeout"), data) == "timeout"
+    assert classify(row(status="failed"), data) == "agent_error"
+    assert classify(row(final_output=None), data) == "no_sql"
+    assert classify(row(final_output="There are 6 singers in the table."), data) == "no_sql"
+    assert classify(row(final_output="```sql SELECT nope FROM singer```"), data) == "sql_error"
+    assert classify(row(final_output="SELECT Name FROM singer"), data) == "wrong_result"
+
+
+def test_comparison_rows_are_value_minus_baseline():
+    def summary(acc: float, easy: float | None, calls: float) -> dict:
+        by_hardness = {} if easy is None else {"easy": {"accuracy": easy}}
+        return {"accuracy": {"overall": {"accuracy": acc}, "by_hardness": by_hardness}, "rollouts": 4,
+                "transitions_per_episode": {"mean": calls, "p50": 1.0},
+                "tokens_per_episode": {"prompt": 100.0, "completion": 20.0, "total": 120.0},
+                "latency": {"rollout_s": {"p50": 1.0, "p90": 2.0}, "llm_call_ms": {"p50": 5.0, "p90": 9.0}},
+                "failure_classes": {"correct": 2, "wrong_result": 2}}
+
+    rows = {r["metric"]: r for r in comparison_rows(summary(0.5, 0.75, 2.0), summary(0.25, None, 1.5))}
+    assert rows["accuracy (all)"]["delta"] == pytest.approx(0.25)
+    assert rows["accuracy (easy)"] == {"metric": "accuracy (easy)", "value": 0.75, "baseline": None, "delta": None}
+    assert rows["transitions per episode (mean)"]["delta"] == pytest.approx(0.5)
+    assert rows["share correct"]["value"] == 0.5 and rows["share correct"]["delta"] == 0.0
+
+
+def test_rounds_come_from_grpo_lines_of_metrics_jsonl(tmp_path):
+    lines = [{"phase": "sft", "round": 0, "reward_mean": 0.9}, {"phase": "grpo", "round": 2, "reward_mean": 0.5},
+             {"phase": "grpo", "round": 1, "reward_mean": 0.25, "reward_std": 0.1}, {"round": 3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + "{not json\n")
+    assert read_rounds(tmp_path) == [{"round": 1, "reward_mean": 0.25, "reward_std": 0.1},
+                                     {"round": 2, "reward_mean": 0.5, "reward_std": None}]
+    assert read_rounds(tmp_path / "elsewhere") == [] and read_rounds(None) == []

@@ -1,0 +1,253 @@
+"""The trainer end to end on CPU: the bundled SmolLM2-135M under DeepSpeed, the real vLLM engine (shared
+session fixture), the real plain-OpenAI example agent under opentelemetry-instrument, rollouts stored in a
+real DuckDB store through a real collector. A round is 4 tasks x 4 samples with a reward that varies within
+groups (tests/train_rewards.py), so the gradient cannot be zero."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_otel.errors import UserError
+from lightning_otel.runner import load_tasks
+from lightning_otel.train.config import TrainConfig, load_config
+from lightning_otel.train.trainer import Trainer, round_tasks
+
+REPO = Path(__file__).resolve().parent.parent
+SPIDER = REPO / "lightning_otel" / "data" / "spider"
+BIN = Path(sys.executable).parent
+AGENT = (f"{BIN / 'opentelemetry-instrument'} {BIN / 'python'} {REPO / 'examples' / 'openai_sql' / 'agent.py'} "
+         "--question {question} --db {db_path}")
+REWARD = "train_rewards:concise_sql"
+
+
+def spider_tasks(path: Path, count: int, db_id: str = "poker_player") -> Path:
+    rows = [json.loads(line) for line in (SPIDER / "dev.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["db_id"] == db_id][:count]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def small_config(tmp_path: Path, **overrides) -> TrainConfig:
+    values = dict(tasks=str(spider_tasks(tmp_path / "tasks.jsonl", 4)), agent=AGENT, reward=REWARD, n=4,
+                  tasks_per_round=4, rounds=1, batch_size=8, micro_batch=4, max_tokens=32, lr=1e-4,
+                  lora_rank=8, output_dir=str(tmp_path / "run"), concurrency=2, agent_timeout_s=300)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+# ---- configuration -------------------------------------------------------------------------------------
+
+
+def test_config_layers_defaults_file_and_key_values(tmp_path):
+    path = tmp_path / "train.toml"
+    path.write_text('rounds = 3\nlr = 2e-5\nagents = "writer"\n')
+    config = load_config(path, ["rounds=5", "full_finetune=true"])
+    assert (config.rounds, config.lr, config.agents, config.full_finetune) == (5, 2e-5, "writer", True)
+    config.save(tmp_path / "saved.toml")
+    assert load_config(tmp_path / "saved.toml") == config
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nope=1"], "unknown key(s) nope"),
+    (["rounds"], "overrides are key=value"),
+    (["n=two"], "n = 'two' is not a valid int"),
+    (["clip=1.5"], "clip range must be in (0, 1)"),
+    (["aggregation=mean"], "choose one of ['rollout', 'sequence', 'token']"),
+    (["micro_batch=8", "batch_size=4"], "batch_size >= micro_batch"),
+    (["bf16=maybe"], "is not true/false"),
+])
+def test_bad_config_is_refused_with_what_to_do(args, message):
+    with pytest.raises(UserError, match=None) as info:
+        load_config(None, args)
+    assert message in str(info.value)
+
+
+def test_round_tasks_cover_every_task_once_per_epoch_and_depend_only_on_seed_and_round(tmp_path):
+    tasks = load_tasks(spider_tasks(tmp_path / "t.jsonl", 6))
+    epoch = [t.task_id for r in range(3) for t in round_tasks(tasks, r, 2, seed=7)]
+    assert sorted(epoch) == sorted(t.task_id for t in tasks)
+    assert [t.task_id for t in round_tasks(tasks, 1, 2, seed=7)] == epoch[2:4]
+    assert epoch != [t.task_id for r in range(3) for t in round_tasks(tasks, r, 2, seed=8)]
+
+
+def test_a_run_folder_with_other_settings_is_not_resumed(tmp_path):
+    config = small_config(tmp_path)
+    Path(config.output_dir).mkdir()
+    (Path(config.output_dir) / "run.json").write_text(json.dumps(
+        {"rounds_completed": 1, "config": {**small_config(tmp_path).__dict__, "lr": 0.5}}))
+    with pytest.raises(UserError, match=r"different settings \(lr\)"):
+        Trainer(config)
+
+
+# ---- one real round ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(engine, tmp_path_factory):
+    """SFT warm start on 2 labelled tasks, then one GRPO round of 4 tasks x 4 samples."""
+    tmp_path = tmp_path_factory.mktemp("train")
+    config = small_config(tmp_path, sft_tasks=str(spider_tasks(tmp_path / "sft.jsonl", 2, "singer")))
+    with Trainer(config, engine=engine) as trainer:
+        trainable = {n: p.detach().clone() for n, p in trainer.learner.module.named_parameters() if p.requires_grad}
+        state = trainer.run()
+        after = {n: p.detach().clone() for n, p in trainer.learner.module.named_parameters() if p.requires_grad}
+    return config, state, trainable, after
+
+
+def test_a_round_trains_every_parameter_with_a_finite_loss(trained):
+    config, state, before, after = trained
+    assert state["rounds_completed"] == 1 and state["policy_version"] == 2  # v1 = SFT, v2 = round 1
+    unchanged = [n for n in before if torch.equal(before[n], after[n])]
+    assert not unchanged, f"{len(unchanged)} trainable tensors did not change, e.g. {unchanged[:3]}"
+    records = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    sft, grpo = records
+    assert sft["phase"] == "sft" and sft["sft_examples"] == 2 and math.isfinite(sft["loss"])
+    assert grpo["phase"] == "grpo" and grpo["rollouts"] == 16 and grpo["steps"] >= 2
+    assert math.isfinite(grpo["loss"]) and grpo["transitions"] > 0 and grpo["trained_tokens"] > 0
+    assert grpo["zero_variance_groups"] < 4 and grpo["transitions_per_episode"] >= 1
+    assert grpo["reward_mean"] is not None and grpo["reward_std"] > 0
+
+
+def test_the_checkpoint_loads_as_the_trained_adapter(trained):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config, state, _, after = trained
+    run = Path(config.output_dir)
+    base = AutoModelForCausalLM.from_pretrained(state["model"])
+    loaded = PeftModel.from_pretrained(base, run / state["last"] / "adapter")
+    weights = dict(loaded.named_parameters())
+    for name, value in after.items():
+        match = [k for k in weights if k.replace(".default", "") == name.replace(".default", "")]
+        assert match and torch.allclose(weights[match[0]], value), name
+    assert (run / "config.toml").is_file() and (run / "reward_curve.png").stat().st_size > 0
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_engine_serves_the_new_policy_and_records_its_version(trained, engine):
+    _, state, _, _ = trained
+    assert engine.policy_version == state["policy_version"] and engine.model_name.endswith(f"-v{state['policy_version']}")
+    result = engine.generate("/v1/chat/completions", {"messages": [{"role": "user", "content": "SELECT"}],
+                                                      "max_tokens": 4})
+    assert result["model"] == engine.model_name and result["choices"][0]["token_ids"]
+
+
+def test_offline_training_on_the_stored_traces(trained, tmp_path):
+    from lightning_otel.train.offline import train_offline
+
+    config, _, _, _ = trained
+    db = Path(config.output_dir) / "traces.duckdb"
+    offline = TrainConfig(**{**config.__dict__, "output_dir": str(tmp_path / "offline"), "sft_tasks": "",
+                             "epochs": 1})
+    state = train_offline(offline, db, where="status = 'ok'", objective="grpo")
+    assert (tmp_path / "offline" / state["best"] / "adapter" / "adapter_model.safetensors").is_file()
+    record = json.loads((tmp_path / "offline" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["phase"] == "offline-grpo" and record["transitions"] > 0 and math.isfinite(record["loss"])
+    with pytest.raises(UserError, match="no transitions to train on"):
+        train_offline(TrainConfig(**{**offline.__dict__, "output_dir": str(tmp_path / "none")}), db,
+                      objective="sft", min_reward=99.0)
+
+
+# ---- resume after a real kill ----------------------------------------------------------------------------
+
+
+def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
+    tasks = spider_tasks(tmp_path / "tasks.jsonl", 4)
+    run = tmp_path / "run"
+    command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={AGENT}", f"reward={REWARD}", "n=2",
+               "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4", "max_tokens=16", "lora_rank=8",
+               f"output_dir={run}", f"engine_url={engine.url}", "seed=3"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and first.poll() is None:
+        if (run / "run.json").is_file() and json.loads((run / "run.json").read_text())["rounds_completed"] == 1:
+            break
+        time.sleep(0.5)
+    assert first.poll() is None, f"the run ended before it could be killed:\n{first.stdout.read().decode()[-3000:]}"
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(30)
+    killed_at = json.loads((run / "run.json").read_text())
+    assert killed_at["rounds_completed"] == 1
+    steps_round_1 = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["optimizer_steps_total"]
+
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    state = json.loads((run / "run.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2] and state["rounds_completed"] == 2
+    # optimizer state came back: DeepSpeed's step count continues from round 1's
+    assert records[1]["optimizer_steps_total"] == steps_round_1 + records[1]["steps"]
+    # the same data order: round 2 drew the tasks that seed 3 gives round 2
+    expected = [t.task_id for t in round_tasks(load_tasks(tasks), 1, 2, seed=3)]
+    drawn = [json.loads(line)["id"] for line in (run / "rounds" / "round-0002" / "tasks.jsonl").read_text().splitlines()]
+    assert drawn == expected
+    assert not (run / killed_at["last"] / "state").exists()  # round 1's optimizer state was dropped after round 2
+
+
+# ---- using the result ------------------------------------------------------------------------------------
+
+
+def test_export_merges_the_adapter_into_a_model_that_computes_the_same_logits(trained, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_otel.serving import export_policy
+
+    config, state, _, _ = trained
+    out = export_policy(config.output_dir, tmp_path / "merged", merge=True)
+    ids = torch.tensor([[1, 520, 3316, 28, 34, 9]])
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(state["model"]),
+                                        Path(config.output_dir) / state["best"] / "adapter")
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, adapted(ids).logits, atol=1e-4)
+    assert (out / "tokenizer.json").is_file()
+    assert export_policy(config.output_dir, tmp_path / "adapter").joinpath("adapter_config.json").is_file()
+    with pytest.raises(UserError, match="not empty"):
+        export_policy(config.output_dir, tmp_path / "adapter")
+
+
+def test_serve_puts_the_trained_policy_behind_the_gateway_and_records_its_calls(trained, engine, tmp_path):
+    import threading
+    import urllib.request
+
+    from lightning_otel.serving import serve_policy
+    from lightning_otel.span_store import client
+
+    config, state, _, _ = trained
+    stop, urls = threading.Event(), []
+    db = tmp_path / "served.duckdb"
+    thread = threading.Thread(target=serve_policy, kwargs=dict(spec=config.output_dir, port=0, db=db,
+                                                                ready=urls.append, stop=stop, engine=engine))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not urls and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.2)
+        assert urls, "serve did not come up"
+        request = urllib.request.Request(urls[0] + "/chat/completions", data=json.dumps({
+            "model": "gpt-4o", "messages": [{"role": "user", "content": "How many singers?"}],
+            "max_tokens": 8}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+        assert answer["model"] == "gpt-4o" and answer["choices"][0]["message"]["content"] is not None
+        versions: list = []
+        deadline = time.monotonic() + 60
+        while not versions and time.monotonic() < deadline:  # the gateway exports its spans in the background
+            versions = client.query("SELECT policy_version FROM generations", db)["policy_version"].to_list()
+            time.sleep(0.2)
+        assert versions == [engine.policy_version] and versions[0] >= 1
+    finally:
+        stop.set()
+        thread.join(60)

@@ -1,0 +1,151 @@
+"""The trainer's configuration: one dataclass, from a TOML file and `key=value` arguments (DESIGN §7 keys).
+
+    lightning-otel train --config train.toml rounds=3 lr=5e-5
+
+Later sources win: defaults < TOML file < key=value. The resolved config is printed at start and saved as
+`<output_dir>/config.toml` with the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_otel.errors import UserError
+from lightning_otel.train.losses import AGGREGATIONS
+
+
+@dataclass
+class TrainConfig:
+    # what to train and where the rollouts come from
+    model: str = "bundled"            # "bundled" or a local Hugging Face model folder
+    tasks: str = ""                   # JSONL task file (one task per line)
+    agent: str = ""                   # the agent command, with {placeholders} (see `lightning-otel rollout`)
+    reward: str = "spider_exec"       # reward function (registered name or module:function); stored rewards of
+                                      # this name are used, computed with the function where missing
+    data_dir: str = ""                # Spider-layout data for {db_path} and the reward (default: bundled)
+    engine_python: str = ""           # the Python that starts vLLM (default: .venv-engine, else this one)
+    engine_url: str = ""              # use a vLLM server already running on this machine (started with
+                                      # --enable-lora) instead of starting one
+    output_dir: str = "runs/run"
+    # rounds
+    n: int = 4                        # samples per task (the GRPO group size)
+    tasks_per_round: int = 4
+    rounds: int = 1
+    concurrency: int = 2              # agents running at once
+    max_tokens: int = 256             # cap on each generation during rollouts
+    temperature: float = 1.0          # sampling temperature forced on rollouts (logprobs are those of T = 1)
+    agent_timeout_s: float = 300.0
+    # credit (DESIGN §4)
+    gamma: float = 1.0
+    agents: str = ""                  # regex: train only the LLM calls of matching agents ("" = all)
+    advantage: str = "per-rollout"
+    merge_turns: bool = False
+    # optimisation
+    lr: float = 1e-5
+    clip: float = 0.2
+    kl: float = 0.0                   # k3 KL to the reference policy (LoRA: adapters disabled)
+    aggregation: str = "rollout"      # loss weighting: token | sequence | rollout (train/losses.py)
+    epochs: int = 1                   # passes over a round's transitions
+    batch_size: int = 16              # transitions per optimizer step
+    micro_batch: int = 4              # transitions per forward pass
+    max_length: int = 2048            # prompt + completion tokens; longer transitions are skipped and counted
+    grad_clip: float = 1.0
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    full_finetune: bool = False
+    zero_stage: int = 2
+    offload: bool = False             # ZeRO optimizer state offload to CPU memory
+    bf16: bool = False
+    seed: int = 0
+    # SFT warm start (before round 1): labelled tasks and/or successful trajectories from a store
+    sft_tasks: str = ""               # JSONL tasks with a label field; their prompts come from the agent itself
+    sft_label: str = "{query}"        # the target completion, formatted from the task's fields
+    sft_epochs: int = 1
+    sft_lr: float = 1e-4
+    # validation
+    val_tasks: str = ""
+    val_every: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.n >= 1, f"n = {self.n}: samples per task must be at least 1 (GRPO needs n >= 2 for groups)"),
+            (self.tasks_per_round >= 1, "tasks_per_round must be at least 1"),
+            (self.rounds >= 0, "rounds must be >= 0"),
+            (self.lr > 0 and self.sft_lr > 0, "lr and sft_lr must be positive"),
+            (0 < self.clip < 1, f"clip = {self.clip}: the PPO clip range must be in (0, 1)"),
+            (self.kl >= 0, "kl must be >= 0"),
+            (self.aggregation in AGGREGATIONS, f"aggregation = {self.aggregation!r}: choose one of "
+                                               f"{sorted(AGGREGATIONS)}"),
+            (self.micro_batch >= 1 and self.batch_size >= self.micro_batch,
+             "need batch_size >= micro_batch >= 1"),
+            (self.zero_stage in (0, 1, 2, 3), f"zero_stage = {self.zero_stage}: DeepSpeed ZeRO stages are 0-3"),
+            (self.full_finetune or self.lora_rank >= 1, "lora_rank must be >= 1 (or set full_finetune = true)"),
+            (self.epochs >= 1 and self.sft_epochs >= 0, "epochs must be >= 1 and sft_epochs >= 0"),
+            (self.max_tokens >= 1 and self.max_length > self.max_tokens, "need max_length > max_tokens >= 1"),
+            (self.val_every >= 1, "val_every must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(f"train config: {message}")
+
+    def save(self, path: Path) -> None:
+        path.write_text(render_toml(self))
+
+
+def render_toml(config: TrainConfig) -> str:
+    lines = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        else:
+            text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines.append(f"{f.name} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+def _coerce(name: str, kind: Any, raw: Any) -> Any:
+    kind = {"str": str, "int": int, "float": float, "bool": bool}.get(kind, kind) if isinstance(kind, str) else kind
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(raw).lower() in ("0", "false", "no", "off"):
+            return False
+        raise UserError(f"train config: {name} = {raw!r} is not true/false")
+    try:
+        return kind(raw) if not (kind is int and isinstance(raw, float)) else int(raw)
+    except (TypeError, ValueError):
+        raise UserError(f"train config: {name} = {raw!r} is not a valid {kind.__name__}") from None
+
+
+def load_config(path: Path | None = None, overrides: list[str] = (), **values: Any) -> TrainConfig:
+    """Defaults, then the TOML file, then `key=value` overrides, then keyword values (CLI flags)."""
+    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    merged: dict[str, Any] = {}
+    if path is not None:
+        try:
+            merged.update(tomllib.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise UserError(f"--config {path}: no such file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"--config {path}: not valid TOML ({exc})") from None
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise UserError(f"{item!r}: overrides are key=value (e.g. rounds=3)")
+        merged[key.strip()] = raw.strip()
+    merged.update({k: v for k, v in values.items() if v is not None})
+    unknown = sorted(set(merged) - set(fields))
+    if unknown:
+        raise UserError(f"train config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    return TrainConfig(**{k: _coerce(k, fields[k], v) for k, v in merged.items()})
+
+
+__all__ = ["TrainConfig", "load_config", "render_toml"]

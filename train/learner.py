@@ -1,0 +1,157 @@
+"""The policy being trained: a Hugging Face causal LM (LoRA adapters by default, or fully fine-tuned) inside a
+DeepSpeed engine; its reference policy (adapters disabled); saving what the rollout engine loads.
+
+DeepSpeed outside its launcher needs the torch.distributed variables (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT; else it tries MPI): `distributed_env()` sets them for a one-process run unless a
+launcher did. On CPU it uses gloo and compiles its shared-memory collective once (~30 s, cached under
+TORCH_EXTENSIONS_DIR). When LOCAL_SIZE is set (the deepspeed launcher does; a one-process run here does not) the
+op creates an allreduce buffer in /dev/shm that outlives the process: `close()` removes it.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from lightning_otel.train.batch import Batch, completion_logprobs
+from lightning_otel.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+LORA_TARGETS = "all-linear"
+
+
+def distributed_env() -> None:
+    """One-process torch.distributed settings, unless a launcher (deepspeed, torchrun) set them."""
+    if torch.distributed.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return  # a launcher's settings, or an earlier learner of this process: its process group is reused
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+
+
+def deepspeed_config(config: TrainConfig) -> dict:
+    zero: dict = {"stage": config.zero_stage}
+    if config.offload and config.zero_stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": config.micro_batch,
+        # Accumulation boundaries are set by the trainer (a step's micro-batch count varies with the data).
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": config.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": config.bf16},
+        # torch's AdamW as the client optimizer: DeepSpeed's fused CPU Adam would compile for ~45 s first.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+    }
+
+
+class Learner:
+    """The trainable policy. `logprobs(batch)` is differentiable; `reference_logprobs(batch)` is not."""
+
+    def __init__(self, model_dir: Path, config: TrainConfig):
+        import deepspeed
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config, self.model_dir = config, Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
+            self.tokenizer.eos_token_id
+        dtype = torch.bfloat16 if config.bf16 else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model.config.use_cache = False
+        self.reference = None
+        if config.full_finetune:
+            if config.kl:
+                self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+                self.reference.requires_grad_(False)
+        else:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
+                                                     target_modules=LORA_TARGETS, lora_dropout=0.0,
+                                                     task_type="CAUSAL_LM"))
+        torch.manual_seed(config.seed)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.trainable = sum(p.numel() for p in params)
+        optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
+        distributed_env()
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                 config=deepspeed_config(config))
+        log.info("policy: %s, %s, %.1fM trainable parameters, ZeRO %d", model_dir,
+                 "full fine-tune" if config.full_finetune else f"LoRA r{config.lora_rank}",
+                 self.trainable / 1e6, config.zero_stage)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_mode(self, on: bool) -> None:
+        self.engine.train(on)
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        return completion_logprobs(self.engine, batch)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.reference is not None:
+            return completion_logprobs(self.reference, batch)
+        with self.module.disable_adapter():
+            return completion_logprobs(self.engine, batch)
+
+    def backward(self, loss: torch.Tensor, last_of_step: bool) -> None:
+        """Accumulate gradients; the optimizer steps after the last micro-batch of a step."""
+        self.engine.set_gradient_accumulation_boundary(last_of_step)
+        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.step()
+
+    @contextlib.contextmanager
+    def _gathered(self):
+        """Full parameters on this rank (ZeRO 3 partitions them)."""
+        if self.config.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def save_policy(self, folder: Path) -> Path:
+        """What the rollout engine loads: `folder/adapter` (LoRA) or `folder/model` (full weights)."""
+        target = folder / ("model" if self.config.full_finetune else "adapter")
+        target.mkdir(parents=True, exist_ok=True)
+        with self._gathered():
+            self.module.save_pretrained(target, safe_serialization=True)
+        if self.config.full_finetune:
+            self.tokenizer.save_pretrained(target)
+        return target
+
+    def save_state(self, folder: Path) -> None:
+        """Optimizer and parameters for resuming (DeepSpeed checkpoint)."""
+        self.engine.save_checkpoint(str(folder), tag="state")
+
+    def load_state(self, folder: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(folder), tag="state")
+        if path is None:
+            raise RuntimeError(f"no DeepSpeed checkpoint in {folder}")
+
+    def close(self) -> None:
+        """Remove the shared-memory buffer DeepSpeed's CPU collective leaves behind. The process group stays
+        for the life of the process: DeepSpeed keeps references to it, and a later learner reuses it."""
+        pattern = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+                   f"{os.environ.get('MASTER_PORT')}_*")
+        for path in glob.glob(pattern):
+            with contextlib.suppress(OSError):
+                os.unlink(path)

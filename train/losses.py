@@ -1,0 +1,98 @@
+"""Loss functions of the trainer: small pure functions on padded tensors, each tested on hand-computed values.
+
+Shapes: B samples (transitions), T completion positions (right-padded).
+    logp, old_logp, ref_logp   [B, T] float   log-probabilities of the completion tokens
+    advantages                 [B]    float   one advantage per sample (DESIGN §4)
+    mask                       [B, T] float   1 on tokens the policy generated (loss_mask), 0 on gaps/padding
+    rollout                    [B]    long    index of each sample's rollout (for per-rollout weighting)
+
+GRPO token objective (PPO clipping, DeepSeekMath's GRPO; ratios against the *sampling* logprobs that the
+gateway recorded, so the first step is not assumed on-policy):
+    ratio_t = exp(logp_t - old_logp_t)
+    pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)
+    kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1         (k3 estimator, >= 0)
+    l_t     = pg_t + beta * kl_t
+The loss is sum_t w_t * l_t with token weights w = mask * scale, scale from an AGGREGATIONS entry (the
+weights sum to 1 over the batch):
+    token     every trained token of the batch weighs the same (DAPO's token-level mean)
+    sequence  mean over a sample's tokens, then over samples (the GRPO paper)
+    rollout   mean over a sample's tokens, then over the samples of one rollout, then over rollouts: every
+              rollout weighs the same however many turns it has (DESIGN §4, the default)
+The trainer never branches on these names; it looks them up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def scale_token(counts: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(counts, 1.0) / counts.sum().clamp(min=1.0)
+
+
+def scale_sequence(counts: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
+    has_tokens = (counts > 0).float()
+    return has_tokens / counts.clamp(min=1.0) / has_tokens.sum().clamp(min=1.0)
+
+
+def scale_rollout(counts: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
+    has_tokens = (counts > 0).float()
+    _, index = torch.unique(rollout, return_inverse=True)
+    samples_per_rollout = torch.zeros(int(index.max()) + 1, dtype=counts.dtype).index_add_(0, index, has_tokens)
+    rollouts = (samples_per_rollout > 0).float().sum().clamp(min=1.0)
+    return has_tokens / counts.clamp(min=1.0) / samples_per_rollout[index].clamp(min=1.0) / rollouts
+
+
+# Each maps (trained tokens per sample [B] float, rollout index [B]) to a per-sample scale [B]; the token
+# weights are mask * scale[:, None] and sum to 1 over the batch. Computed once per optimizer step, so
+# micro-batches of one step share the statistics.
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "token": scale_token,
+    "sequence": scale_sequence,
+    "rollout": scale_rollout,
+}
+
+
+def token_weights(mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return mask * scale[:, None]
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor        # scalar, differentiable
+    kl: float                 # weighted mean k3 KL (0 without a reference)
+    clip_fraction: float      # fraction of trained tokens whose gradient the clipping removed
+    ratio_mean: float
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+              clip: float = 0.2, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None) -> LossOutput:
+    """The clipped GRPO objective weighted by `weights` (token_weights of an AGGREGATIONS scale)."""
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None]
+    per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv)
+    kl_value = 0.0
+    if kl_coef and ref_logp is not None:
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token + kl_coef * kl
+        kl_value = float((kl.detach() * weights).sum())
+    trained = weights > 0
+    with torch.no_grad():
+        # clipping is active where it removes the gradient: the ratio left the range on the side A pushes
+        clipped = (((ratio > 1.0 + clip) & (adv > 0)) | ((ratio < 1.0 - clip) & (adv < 0))) & trained
+        count = trained.sum().clamp(min=1)
+        clip_fraction = float(clipped.sum() / count)
+        ratio_mean = float((ratio * trained).sum() / count)
+    return LossOutput((per_token * weights).sum(), kl_value, clip_fraction, ratio_mean)
+
+
+def sft_loss(logp: torch.Tensor, weights: torch.Tensor) -> LossOutput:
+    """Negative log-likelihood of the target tokens, weighted like the GRPO loss."""
+    return LossOutput(-(logp * weights).sum(), 0.0, 0.0, 1.0)

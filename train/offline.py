@@ -1,0 +1,92 @@
+"""Offline batch training from traces already in a store: no engine, no new rollouts.
+
+    lightning-otel train --offline --db traces.duckdb [--where "status = 'ok'"] [--objective grpo|sft]
+
+grpo: the compiler's transitions with the `batch-baseline` advantage: rollouts sharing a (task, policy
+      version) group with others are normalised within it (GRPO); rollouts alone in theirs are normalised
+      against all lone rollouts (a batch baseline). Ratios are taken against the recorded sampling logprobs,
+      so older policies' data is clipped like any off-policy sample.
+sft:  rejection-sampling fine-tuning: the transitions of rollouts whose reward reached `--min-reward`.
+The result is a run folder like an online run's (checkpoints/offline, run.json, metrics.jsonl), so `eval`,
+`serve` and `export` take it the same way.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from lightning_otel.errors import UserError
+from lightning_otel.span_store import client
+from lightning_otel.train.compile import CompileConfig, compile_transitions
+from lightning_otel.train.config import TrainConfig, render_toml
+from lightning_otel.train.metrics import MetricsLog
+from lightning_otel.train.optimize import optimize
+from lightning_otel.train.sft import sft_rows_from_successes
+from lightning_otel.train.trainer import RunFolder
+
+log = logging.getLogger(__name__)
+ADVANTAGE_FOR = {"grpo": "batch-baseline", "sft": "none"}
+
+
+def selected_rollouts(db: Path, where: str | None) -> set[str] | None:
+    if not where:
+        return None
+    try:
+        frame = client.query(f"SELECT rollout_id FROM rollouts WHERE {where}", db)
+    except UserError as exc:
+        raise UserError(f"--where {where!r} is not a valid condition on the rollouts view: {exc}") from None
+    return set(frame["rollout_id"].to_list())
+
+
+def train_offline(config: TrainConfig, db: Path, where: str | None = None, objective: str = "grpo",
+                  min_reward: float = 1.0, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    from lightning_otel.engine import default_engine_python
+    from lightning_otel.model import resolve_model
+    from lightning_otel.train.learner import Learner
+
+    if objective not in ADVANTAGE_FOR:
+        raise UserError(f"--objective {objective!r}: choose one of {sorted(ADVANTAGE_FOR)}")
+    if not Path(db).exists():
+        raise UserError(f"--db {db}: no such trace store")
+    folder = RunFolder(Path(config.output_dir))
+    folder.path.mkdir(parents=True, exist_ok=True)
+    frame, account = compile_transitions(CompileConfig(
+        db=Path(db), reward=config.reward or None, gamma=config.gamma, advantage=ADVANTAGE_FOR[objective],
+        agents=config.agents or None, merge_turns=config.merge_turns))
+    chosen = selected_rollouts(Path(db), where)
+    rows = [r for r in frame.to_dicts() if chosen is None or r["rollout_id"] in chosen]
+    if objective == "sft":
+        import polars as pl
+
+        rows = sft_rows_from_successes(pl.DataFrame(rows, schema=frame.schema), min_reward) if rows else []
+    if not rows:
+        excluded = ", ".join(f"{n} {reason}" for reason, n in account.excluded.items()) or "none"
+        raise UserError(f"no transitions to train on in {db} (after --where and, for sft, --min-reward "
+                        f"{min_reward}); rollouts excluded by the compiler: {excluded}")
+    model_dir = resolve_model(config.model, config.engine_python or default_engine_python())
+    config.save(folder.path / "config.toml")
+    log.info("offline train config:\n%s", render_toml(config))
+    learner = Learner(model_dir, config)
+    try:
+        if objective == "sft":
+            learner.set_lr(config.sft_lr)
+        stats = optimize(learner, rows, config, objective, seed=config.seed, epochs=config.epochs,
+                         progress=(lambda d, t: progress(f"offline {objective}", d, t)) if progress else None)
+        checkpoint = folder.checkpoint("offline")
+        learner.save_policy(checkpoint)
+        (checkpoint / "policy.json").write_text('{"policy_version": 1}')
+        state = {"model": str(model_dir), "rounds_completed": 0, "policy_version": 1, "last": "checkpoints/offline",
+                 "best": "checkpoints/offline", "best_metric": None, "sft_done": objective == "sft",
+                 "offline": {"db": str(db), "where": where, "objective": objective, "min_reward": min_reward},
+                 "config": asdict(config)}
+        folder.save(state)
+        metrics = MetricsLog(folder.path)
+        metrics.write({"round": 1, "phase": f"offline-{objective}", "transitions": len(rows),
+                       "rollouts": len({r["rollout_id"] for r in rows}), "excluded": dict(account.excluded),
+                       "zero_variance_groups": account.zero_variance_groups, **stats.summary()})
+        metrics.close()
+        return state
+    finally:
+        learner.close()

@@ -1,0 +1,116 @@
+"""One pass of optimizer steps over a set of transitions: GRPO (advantages) or SFT (targets), under DeepSpeed.
+
+Steps hold `batch_size` transitions, split into micro-batches of `micro_batch` for the forward pass. The
+token weights of a step are computed once over all its transitions (losses.AGGREGATIONS), so micro-batching
+does not change the loss. Transitions without sampling logprobs (re-tokenised ones) use the current policy's
+own logprobs as the old ones (ratio 1 at the first epoch).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lightning_otel.train.batch import Batch, collate
+from lightning_otel.train.config import TrainConfig
+from lightning_otel.train.learner import Learner
+from lightning_otel.train.losses import AGGREGATIONS, LossOutput, grpo_loss, sft_loss, token_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    samples: int = 0
+    trained_tokens: int = 0
+    skipped_too_long: int = 0
+    loss: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    clip_fraction: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self, prefix: str = "") -> dict:
+        def mean(values: list[float]) -> float | None:
+            return sum(values) / len(values) if values else None
+
+        return {f"{prefix}steps": self.steps, f"{prefix}samples": self.samples,
+                f"{prefix}trained_tokens": self.trained_tokens, f"{prefix}skipped_too_long": self.skipped_too_long,
+                f"{prefix}loss": mean(self.loss), f"{prefix}kl": mean(self.kl),
+                f"{prefix}clip_fraction": mean(self.clip_fraction), f"{prefix}train_seconds": self.seconds,
+                f"{prefix}tokens_per_second": self.trained_tokens / self.seconds if self.seconds else None}
+
+
+Objective = Callable[[Learner, Batch, torch.Tensor, TrainConfig], LossOutput]
+
+
+def grpo_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
+    logp = learner.logprobs(batch)
+    old = torch.where(torch.isnan(batch.old_logp), logp.detach(), batch.old_logp)
+    ref = learner.reference_logprobs(batch) if config.kl else None
+    return grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl, ref_logp=ref)
+
+
+def sft_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
+    return sft_loss(learner.logprobs(batch), weights)
+
+
+OBJECTIVES: dict[str, Objective] = {"grpo": grpo_objective, "sft": sft_objective}
+
+
+def fits(row: dict, max_length: int) -> bool:
+    return 0 < len(row["prompt_ids"]) and 0 < len(row["completion_ids"]) and \
+        len(row["prompt_ids"]) + len(row["completion_ids"]) <= max_length
+
+
+def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective: str, seed: int,
+             epochs: int = 1, progress: Callable[[int, int], None] | None = None) -> StepStats:
+    """Run `epochs` shuffled passes of optimizer steps over `rows` (transition dicts)."""
+    loss_fn = OBJECTIVES[objective]
+    stats = StepStats()
+    usable = [r for r in rows if fits(r, config.max_length)]
+    stats.skipped_too_long = len(rows) - len(usable)
+    if stats.skipped_too_long:
+        log.warning("%d transition(s) longer than max_length=%d (or empty) skipped", stats.skipped_too_long,
+                    config.max_length)
+    order = random.Random(seed)
+    total = epochs * math.ceil(len(usable) / config.batch_size)
+    learner.train_mode(True)
+    started = time.perf_counter()
+    for _ in range(epochs):
+        shuffled = usable[:]
+        order.shuffle(shuffled)
+        for start in range(0, len(shuffled), config.batch_size):
+            _step(learner, shuffled[start:start + config.batch_size], config, loss_fn, stats)
+            if progress:
+                progress(stats.steps, total)
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def _step(learner: Learner, rows: list[dict], config: TrainConfig, loss_fn: Objective, stats: StepStats) -> None:
+    rollout_index: dict[str, int] = {}
+    # Sort by length inside the step so micro-batches pad little; weights do not depend on the order.
+    rows = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["completion_ids"]))
+    full = collate(rows, learner.pad_id, rollout_index)
+    scale = AGGREGATIONS[config.aggregation](full.mask.sum(dim=1), full.rollout)
+    chunks = range(0, len(rows), config.micro_batch)
+    total = kl = 0.0
+    for i, start in enumerate(chunks):
+        part = rows[start:start + config.micro_batch]
+        batch = collate(part, learner.pad_id, rollout_index)
+        out = loss_fn(learner, batch, token_weights(batch.mask, scale[start:start + len(part)]), config)
+        learner.backward(out.loss, last_of_step=i == len(chunks) - 1)
+        total += float(out.loss.detach())  # weights sum to 1 over the step: the parts add up
+        kl += out.kl
+        stats.clip_fraction.append(out.clip_fraction)
+    stats.loss.append(total)
+    stats.kl.append(kl)
+    stats.steps += 1
+    stats.samples += len(rows)
+    stats.trained_tokens += int(full.mask.sum())

@@ -1,0 +1,293 @@
+"""Rounds of rollout and GRPO (DESIGN §5), and the run folder that makes them resumable.
+
+    lightning-otel train --config train.toml            # or key=value arguments
+    lightning-otel train --offline --db traces.duckdb   # from traces already stored (train/offline.py)
+
+Each round: the engine serves the current policy through the gateway -> the runner executes the agent over
+`tasks_per_round` tasks x `n` samples -> spans land in the run's store -> the compiler builds transitions
+(groups of (task, policy version)) -> GRPO steps under DeepSpeed -> the adapter is saved and hot-loaded by
+the engine as policy version r. An optional SFT warm start runs before round 1 (train/sft.py).
+
+The run folder: config.toml (resolved config), run.json (progress: rounds completed, last and best
+checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
+tensorboard/, reward_curve.png, traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model,
+state}. Randomness is derived from (seed, round), so a resumed round draws the same tasks and batch order.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from contextlib import ExitStack
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from lightning_otel.errors import UserError
+from lightning_otel.runner import RolloutConfig, Task, load_tasks, run_rollouts
+from lightning_otel.train.compile import CompileConfig, compile_transitions
+from lightning_otel.train.config import TrainConfig, render_toml
+from lightning_otel.train.metrics import MetricsLog
+from lightning_otel.train.optimize import optimize
+
+log = logging.getLogger(__name__)
+RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url"}
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.run_json = self.path / "run.json"
+
+    def load(self) -> dict:
+        return json.loads(self.run_json.read_text()) if self.run_json.is_file() else {}
+
+    def save(self, state: dict) -> None:
+        tmp = self.run_json.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.run_json)
+
+    def checkpoint(self, name: str) -> Path:
+        return self.path / "checkpoints" / name
+
+
+def round_tasks(tasks: list[Task], round_index: int, count: int, seed: int) -> list[Task]:
+    """The tasks of round `round_index` (0-based): consecutive slices of a per-epoch shuffle of the task
+    list, so every task is used once per epoch and the choice depends only on (seed, round)."""
+    chosen = []
+    for position in range(round_index * count, (round_index + 1) * count):
+        epoch, offset = divmod(position, len(tasks))
+        order = list(range(len(tasks)))
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+        chosen.append(tasks[order[offset]])
+    return chosen
+
+
+def write_tasks(tasks: list[Task], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({**t.fields, "id": t.task_id}) + "\n" for t in tasks))
+    return path
+
+
+def check_resume(config: TrainConfig, folder: RunFolder) -> dict:
+    state = folder.load()
+    if not state:
+        return {}
+    saved = state.get("config", {})
+    changed = sorted(k for k, v in asdict(config).items() if k in saved and saved[k] != v and
+                     k not in RESUMABLE_CHANGES)
+    if changed:
+        raise UserError(f"{folder.path} holds a run with different settings ({', '.join(changed)}): resume it with "
+                        f"the same config (only {', '.join(sorted(RESUMABLE_CHANGES))} may change), or give a new "
+                        f"output_dir")
+    return state
+
+
+class Trainer:
+    """Owns the run: its store (collector), the engine, the learner. Use as a context manager."""
+
+    def __init__(self, config: TrainConfig, engine=None, progress: Callable[[str, int, int], None] | None = None):
+        self.config, self.progress = config, progress or (lambda label, done, total: None)
+        self.folder = RunFolder(Path(config.output_dir))
+        self.state = check_resume(config, self.folder)
+        self.tasks = load_tasks(Path(config.tasks)) if config.tasks else []
+        if not self.tasks and config.rounds:
+            raise UserError("train config: `tasks` is empty: give a JSONL task file (one task per line)")
+        if config.rounds and not config.agent.strip():
+            raise UserError("train config: `agent` is empty: give the command that runs your agent")
+        self._stack = ExitStack()
+        self._engine = engine
+        self.db = self.folder.path / "traces.duckdb"
+
+    def __enter__(self) -> "Trainer":
+        from lightning_otel.model import resolve_model
+        from lightning_otel.engine import default_engine_python
+        from lightning_otel.span_store.collector import Collector, CollectorConfig
+        from lightning_otel.train.learner import Learner
+
+        c = self.config
+        self.folder.path.mkdir(parents=True, exist_ok=True)
+        python = c.engine_python or default_engine_python()
+        self.model_dir = resolve_model(c.model, python)
+        c.save(self.folder.path / "config.toml")
+        log.info("train config:\n%s", render_toml(c))
+        collector = Collector(CollectorConfig(db=self.db, port=0))
+        collector.start()
+        self._stack.callback(collector.close)
+        self.learner = Learner(self.model_dir, c)
+        self._stack.callback(self.learner.close)
+        if self.state.get("last"):
+            self.learner.load_state(self.folder.path / self.state["last"] / "state")
+            log.info("resuming after %s (round %d of %d)", self.state["last"], self.state["rounds_completed"],
+                     c.rounds)
+        self.metrics = MetricsLog(self.folder.path)
+        self._stack.callback(self.metrics.close)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    # ---- the engine ------------------------------------------------------------------------------------
+
+    @property
+    def engine(self):
+        if self._engine is not None and getattr(self._engine, "config", None) is not None and \
+                Path(self._engine.config.model_dir).resolve() != Path(self.model_dir).resolve():
+            raise UserError(f"the given engine serves {self._engine.config.model_dir}, but this run trains "
+                            f"{self.model_dir}; give an engine on the same base model")
+        if self._engine is None:
+            from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+
+            python = self.config.engine_python or default_engine_python()
+            engine = VLLMEngine(EngineConfig(model_dir=self.model_dir, python=python, max_lora_rank=max(
+                16, self.config.lora_rank), max_model_len=self.config.max_length,
+                log_path=self.folder.path / "engine.log"))
+            if self.config.engine_url:
+                engine.attach(self.config.engine_url)
+            else:
+                log.info("starting the vLLM engine (about a minute on CPU)")
+                engine.start()
+                self._stack.callback(engine.stop)
+            self._engine = engine
+        return self._engine
+
+    def _serve(self, checkpoint: Path, version: int) -> None:
+        if self.config.full_finetune:
+            self.engine.load_model(checkpoint / "model", version)
+        else:
+            self.engine.update_weights(checkpoint / "adapter", version)
+
+    # ---- rollouts ----------------------------------------------------------------------------------------
+
+    def rollouts(self, tasks_file: Path, n: int, label: str, temperature: float | None, max_tokens: int):
+        c = self.config
+        config = RolloutConfig(tasks=tasks_file, agent=c.agent, n=n, concurrency=c.concurrency, db=self.db,
+                               reward=c.reward, data_dir=Path(c.data_dir) if c.data_dir else None,
+                               timeout_s=c.agent_timeout_s, max_tokens=max_tokens, temperature=temperature,
+                               work_dir=self.folder.path / "work")
+        return run_rollouts(config, lambda result, done, total: self.progress(label, done, total), engine=self.engine)
+
+    # ---- the run -----------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        c = self.config
+        state = self.state or {"model": str(self.model_dir), "rounds_completed": 0, "policy_version": 0,
+                               "last": None, "best": None, "best_metric": None, "sft_done": False}
+        state["config"] = asdict(c)
+        if state["last"] and c.rounds > state["rounds_completed"]:
+            self._serve(self.folder.path / state["last"], state["policy_version"])
+        elif not state["last"] and (c.rounds or c.sft_tasks) and self.engine.policy_version != 0:
+            self.engine.use_base()  # a fresh run starts from the base model, whatever a shared engine served
+        if c.sft_tasks and not state["sft_done"]:
+            from lightning_otel.train.sft import warm_start
+
+            record = warm_start(self)
+            self._checkpoint(state, "sft")
+            state["sft_done"] = True
+            self._commit(state, {"round": 0, "phase": "sft", **record})
+        for r in range(state["rounds_completed"], c.rounds):
+            record = self.train_round(r, state)
+            self._checkpoint(state, f"round-{r + 1:04d}")
+            state["rounds_completed"] = r + 1
+            if c.val_tasks and (r + 1) % c.val_every == 0:
+                record.update(self.validate(state))
+            self._commit(state, record)
+        return state
+
+    def _checkpoint(self, state: dict, name: str) -> None:
+        """Save the policy and the optimizer state as checkpoint `name`, and serve it as the next version."""
+        folder = self.folder.checkpoint(name)
+        self.learner.save_policy(folder)
+        self.learner.save_state(folder / "state")
+        version = state["policy_version"] + 1
+        (folder / "policy.json").write_text(json.dumps({"policy_version": version}))
+        if self.config.rounds > state["rounds_completed"]:
+            self._serve(folder, version)
+        state["previous"], state["last"] = state.get("last"), str(folder.relative_to(self.folder.path))
+        state["policy_version"] = version
+        if not self.config.val_tasks:
+            state["best"] = state["last"]
+
+    def _commit(self, state: dict, record: dict) -> None:
+        """Record the finished step: run.json first (the resume point), then the metrics; only then drop the
+        previous checkpoint's optimizer state (its policy stays, for evaluation)."""
+        previous = state.pop("previous", None)
+        self.folder.save(state)
+        self.metrics.write(record)
+        if previous and previous != state["last"]:
+            shutil.rmtree(self.folder.path / previous / "state", ignore_errors=True)
+
+    def train_round(self, r: int, state: dict) -> dict:
+        c = self.config
+        torch.manual_seed(c.seed * 100_003 + r)
+        tasks_file = write_tasks(round_tasks(self.tasks, r, c.tasks_per_round, c.seed),
+                                 self.folder.path / "rounds" / f"round-{r + 1:04d}" / "tasks.jsonl")
+        started = time.perf_counter()
+        summary = self.rollouts(tasks_file, c.n, f"round {r + 1}/{c.rounds} rollouts", c.temperature, c.max_tokens)
+        rollout_seconds = time.perf_counter() - started
+        self.engine.sleep()
+        frame, account = compile_transitions(CompileConfig(
+            db=self.db, reward=c.reward, gamma=c.gamma,
+            advantage=c.advantage, agents=c.agents or None, merge_turns=c.merge_turns))
+        ids = {result.rollout_id for result in summary.results}
+        rows = [row for row in frame.to_dicts() if row["rollout_id"] in ids]
+        stats = optimize(self.learner, rows, c, "grpo", seed=c.seed * 100_003 + r, epochs=c.epochs,
+                         progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done, total))
+        self.engine.wake()
+        rewards = summary.rewarded
+        mean = sum(rewards) / len(rewards) if rewards else None
+        std = (sum((x - mean) ** 2 for x in rewards) / (len(rewards) - 1)) ** 0.5 if len(rewards) > 1 else None
+        return {
+            "round": r + 1, "phase": "grpo", "policy_version": state["policy_version"],
+            "rollouts": len(summary.results), "rewarded": len(rewards), "reward_mean": mean, "reward_std": std,
+            "success_rate": sum(1 for x in rewards if x >= 1.0) / len(rewards) if rewards else None,
+            "excluded": dict(account.excluded), "transitions": len(rows),
+            "transitions_per_episode": self._calls_per_episode(ids),
+            "prompt_tokens": sum(len(x["prompt_ids"]) for x in rows),
+            "completion_tokens": sum(len(x["completion_ids"]) for x in rows),
+            "zero_variance_groups": zero_variance_groups(summary.results),
+            "rollout_seconds": rollout_seconds, "optimizer_steps_total": self.learner.engine.global_steps,
+            **stats.summary(),
+        }
+
+    def _calls_per_episode(self, ids: set[str]) -> float | None:
+        """LLM calls per rollout of this round (before any merging), from the store."""
+        from lightning_otel.span_store import client
+
+        if not ids:
+            return None
+        listed = ", ".join(client.sql_literal(i) for i in sorted(ids))
+        frame = client.query(f"SELECT count(*) AS calls, count(DISTINCT rollout_id) AS episodes FROM llm_calls "
+                             f"WHERE rollout_id IN ({listed})", self.db)
+        episodes = frame["episodes"][0]
+        return frame["calls"][0] / episodes if episodes else None
+
+    def validate(self, state: dict) -> dict:
+        c = self.config
+        tasks = load_tasks(Path(c.val_tasks))
+        summary = self.rollouts(write_tasks(tasks, self.folder.path / "rounds" / "validation.jsonl"), 1,
+                                "validation", None, c.max_tokens)
+        rewards = summary.rewarded
+        mean = sum(rewards) / len(rewards) if rewards else None
+        if mean is not None and (state.get("best_metric") is None or mean > state["best_metric"]):
+            state.update(best=state["last"], best_metric=mean)
+        return {"val_reward_mean": mean, "val_rollouts": len(summary.results)}
+
+
+def zero_variance_groups(results) -> int:
+    """Tasks of a round whose rewarded rollouts all got the same reward: they give GRPO no gradient."""
+    by_task: dict[str, set[float]] = {}
+    for result in results:
+        if result.reward is not None:
+            by_task.setdefault(result.task_id, set()).add(result.reward)
+    return sum(1 for values in by_task.values() if len(values) == 1)
+
+
+def train(config: TrainConfig, engine=None, progress=None) -> dict:
+    with Trainer(config, engine=engine, progress=progress) as trainer:
+        return trainer.run()
