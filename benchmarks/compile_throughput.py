@@ -1,6 +1,7 @@
 """Compile throughput: spans -> transitions, side by side with Agent Lightning's TracerTraceToTriplet.
 
-    .venv/bin/python benchmarks/compile_throughput.py --spans 1000000 --agl-python /work/venvs/agl/bin/python
+    .venv/bin/python benchmarks/compile_throughput.py --spans 1000000 --runs 5 --via-collector \
+        --agl-python /work/venvs/agl/bin/python
 
 Store: the real rollouts recorded through the token-recording gateway (tests/fixtures/rollouts/: the four
 example agents, unchanged, under opentelemetry-instrument, vLLM serving the bundled model; recorded by
@@ -15,7 +16,9 @@ Contenders, each timed from the stored spans to per-call transitions in memory:
                    spans (a Parquet export of the store, written before its clock starts), converts them to
                    its Span type, runs TracerTraceToTriplet per rollout (see that file)
 Check: every rollout ours compiles is compared with Agent Lightning's triplets of that rollout: the same
-calls with the same prompt ids, completion ids and reward.
+calls with the same prompt ids, completion ids and reward. Wall and CPU seconds are both reported: on a
+machine shared with other jobs the CPU time is the steadier of the two (ours runs on every core, the peer
+on one).
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ COPIES_PER_INSERT = 100
 
 def fresh(column: str, length: int) -> str:
     """A new hex id for copy k, the same for every row that had the same id in the same trace."""
-    return f"CASE WHEN {column} IS NULL THEN NULL ELSE substr(md5(trace_id || '/' || {column} || '/' || k), 1, {length}) END"
+    return (f"CASE WHEN {column} IS NULL THEN NULL "
+            f"ELSE substr(md5(trace_id || '/' || {column} || '/' || k), 1, {length}) END")
 
 
 def build_store(db: Path, fixture: Path, target_spans: int) -> dict:
@@ -66,8 +70,8 @@ def build_store(db: Path, fixture: Path, target_spans: int) -> dict:
         con.execute("BEGIN TRANSACTION")
         store.insert_batch(con, "traces", batch, skip_duplicates=False)
         con.execute("COMMIT")
-    for table, replace in [("rewards", f"CASE WHEN trace_id IS NULL THEN NULL ELSE substr(md5(trace_id || '/' || k), 1, 32) "
-                                       f"END AS trace_id, {fresh('span_id', 16)} AS span_id, "
+    trace = "CASE WHEN trace_id IS NULL THEN NULL ELSE substr(md5(trace_id || '/' || k), 1, 32) END"
+    for table, replace in [("rewards", f"{trace} AS trace_id, {fresh('span_id', 16)} AS span_id, "
                                        f"rollout_id || '-' || k AS rollout_id"),
                            ("rollout_runs", "rollout_id || '-' || k AS rollout_id, task_id || '#' || k AS task_id")]:
         rows = source.sql(f"SELECT * EXCLUDE (k) REPLACE ({replace}) FROM read_parquet('{fixture}/{table}.parquet'), "
@@ -77,8 +81,8 @@ def build_store(db: Path, fixture: Path, target_spans: int) -> dict:
     con.execute("CHECKPOINT")
     spans = con.execute("SELECT count(*) FROM spans").fetchone()[0]
     con.close()
-    return {"spans": spans, "copies": copies, "template_spans": per_copy, "build_s": round(time.perf_counter() - started, 1),
-            "file_mb": round(db.stat().st_size / 2**20)}
+    return {"spans": spans, "copies": copies, "template_spans": per_copy,
+            "build_s": round(time.perf_counter() - started, 1), "file_mb": round(db.stat().st_size / 2**20)}
 
 
 def run_ours(db: Path, reward: str) -> tuple[pl.DataFrame, dict]:
@@ -88,10 +92,10 @@ def run_ours(db: Path, reward: str) -> tuple[pl.DataFrame, dict]:
     out, account = compile_transitions(CompileConfig(db=db, reward=reward))
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     return out, {"contender": "lightning-otel", "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3),
-                 "transitions": out.height,
-                 "transitions_per_s": round(out.height / seconds, 1), "llm_calls": account.llm_calls,
-                 "rollouts": account.rollouts, "compiled_rollouts": account.compiled_rollouts,
-                 "excluded": dict(account.excluded), "rss_growth_mb": round((process.memory_info().rss - before) / 2**20),
+                 "transitions": out.height, "transitions_per_s": round(out.height / seconds, 1),
+                 "llm_calls": account.llm_calls, "rollouts": account.rollouts,
+                 "compiled_rollouts": account.compiled_rollouts, "excluded": dict(account.excluded),
+                 "rss_growth_mb": round((process.memory_info().rss - before) / 2**20),
                  "load_average": round(os.getloadavg()[0], 1)}
 
 
@@ -120,8 +124,9 @@ def export_for_peer(db: Path, folder: Path, reward: str, files: int) -> None:
     columns = "trace_id, span_id, parent_span_id, name, kind, start_ns, end_ns, status_code, status_message, " \
               "attributes::VARCHAR AS attributes, resource::VARCHAR AS resource, rollout_id"
     for i in range(files):
-        con.execute(f"COPY (SELECT {columns} FROM spans WHERE rollout_id IS NOT NULL AND hash(rollout_id) % {files} = {i}"
-                    f" ORDER BY rollout_id, start_ns, span_id) TO '{folder}/part-{i:03d}.parquet' (FORMAT parquet)")
+        con.execute(f"COPY (SELECT {columns} FROM spans WHERE rollout_id IS NOT NULL "
+                    f"AND hash(rollout_id) % {files} = {i} ORDER BY rollout_id, start_ns, span_id) "
+                    f"TO '{folder}/part-{i:03d}.parquet' (FORMAT parquet)")
     con.execute(f"COPY (SELECT rollout_id, reward_name AS name, reward FROM episode_rewards WHERE reward_name = "
                 f"'{reward}') TO '{folder.parent}/rewards.parquet' (FORMAT parquet)")
     con.close()
@@ -130,8 +135,9 @@ def export_for_peer(db: Path, folder: Path, reward: str, files: int) -> None:
 def run_peer(python: str, folder: Path) -> tuple[pl.DataFrame, dict]:
     out = folder.parent / "agl-triplets"
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # its import would try the network
-    result = subprocess.run([python, str(PEER), "--spans", str(folder), "--rewards", str(folder.parent / "rewards.parquet"),
-                             "--out", str(out)], capture_output=True, text=True, env=env)
+    result = subprocess.run([python, str(PEER), "--spans", str(folder), "--rewards",
+                             str(folder.parent / "rewards.parquet"), "--out", str(out)],
+                            capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"peer failed:\n{result.stderr[-4000:]}")
     return pl.read_parquet(out / "*.parquet"), {**json.loads(result.stdout.strip().splitlines()[-1]),
@@ -158,7 +164,7 @@ def compare(ours: pl.DataFrame, theirs: pl.DataFrame) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spans", type=int, default=1_000_000, help="spans in the store (at least)")
-    parser.add_argument("--reward", default="sql_runs", help="reward name to compile (default: sql_runs)")
+    parser.add_argument("--reward", default="sql_form", help="reward name to compile (default: sql_form)")
     parser.add_argument("--agl-python", help="Agent Lightning venv's python (omit to run ours only)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs of ours (default: 3)")
     parser.add_argument("--work", type=Path, help="folder for the store and exports (default: a temp folder)")

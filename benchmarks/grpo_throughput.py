@@ -1,29 +1,35 @@
 """GRPO update throughput: trained tokens/s of one optimizer step, sampling excluded, ours vs TRL's GRPOTrainer.
 
     .venv/bin/python benchmarks/grpo_throughput.py --trl-python /work/venvs/trl/bin/python \
-        --samples 8 --group 4 --betas 0.0 0.04 --rounds 3 --steps 2 --warmup 1
+        --sides ours ours-prefix trl trl-compact --betas 0.0 0.04 --steps 12 --work /tmp/grpo-bench
 
 Batch: `samples / group` Spider dev tasks (distinct databases) as the SQL agent's first call sees them (its
 "write a query" system prompt with the database schema, the question as the user turn, the bundled model's chat
-template), kept when the prompt is between --min-prompt and --max-prompt tokens; `group` completions per task
-sampled once here from the bundled SmolLM2-135M (fp32, temperature 1, exactly --completion tokens each), their
-sampling logprobs, and a fixed random reward per completion. Both sides get these identical token ids through
-one JSON file, every step trains the same batch.
+template), prompts of --min-prompt..--max-prompt tokens; `group` completions per task sampled once here from the
+bundled SmolLM2-135M (fp32, temperature 1, exactly --completion tokens each), their sampling logprobs, a fixed
+random reward each. Every contender gets these identical token ids (one JSON file) and trains on them each step.
 
-Contenders, each in a fresh subprocess of its own (so peak RSS is its own), `--warmup` untimed steps then
-`--steps` timed ones:
-  lightning-otel  `optimize()` (train/optimize.py) on a `Learner` (HF model + peft LoRA + DeepSpeed ZeRO-2, torch
-                  AdamW), aggregation "sequence" (= TRL's loss_type "grpo"), advantages computed as TRL does
-                  ((r - group mean) / (group std + 1e-4)); timed by optimize() itself (collate, reference
-                  log-probs when beta > 0, forward, loss, backward, clipping, AdamW)
-  trl             benchmarks/peers/trl_grpo.py in TRL's own venv: GRPOTrainer with a rollout_func that returns the
-                  same completions; its step is timed without `_generate` (see that file)
-Same settings on both: LoRA r16 alpha 32 on all linear layers (or --full-finetune on both), fp32, no gradient
+Contenders (--sides), each its own process (so its peak RSS is its own):
+  ours          optimize() (train/optimize.py) on a Learner (HF model + peft LoRA + DeepSpeed ZeRO-2, torch AdamW),
+                aggregation "sequence" (= TRL's loss_type "grpo"), advantages as TRL computes them
+                ((r - group mean) / (group std + 1e-4)); the step as optimize() runs it: collate, reference
+                log-probs when beta > 0, forward, loss, backward, clipping, AdamW
+  ours-prefix   PROTOTYPE (benchmarks/shared_prefix.py): the same step, the group's shared prompt run once
+  ours-nods     PROTOTYPE: optimize() on PlainLearner below (no DeepSpeed engine)
+  ours-bf16     ours with TrainConfig(bf16=True) (bf16 weights, DeepSpeed bf16)
+  trl           benchmarks/peers/trl_grpo.py in TRL's own venv: GRPOTrainer fed the same completions through its
+                rollout_func; its step timed without `_generate` (see that file)
+  trl-compact   trl, patched to score only completion positions in its fused LM head, as TRL does on CUDA
+  trl-bf16      trl with bf16 autocast;  trl-defaults: GRPOConfig's own bf16 + activation checkpointing
+Same settings everywhere else: LoRA r16 alpha 32 on all linear layers (or --full-finetune), fp32, no activation
 checkpointing, micro-batches of --micro-batch, lr 1e-5 constant, AdamW (0.9, 0.999, no decay), clip 0.2, grad
-norm 1.0, temperature 1, loss "grpo" with beta from --betas (k3 KL to the adapters-disabled model).
+norm 1.0, temperature 1, loss "grpo", beta from --betas (k3 KL to the adapters-disabled model).
 
-Rounds alternate which side runs first; the ratio of a round is ours / TRL of that round, so contention from
-other jobs on the machine hits both sides of a ratio at nearby times. Prints one JSON line per run and a summary.
+Contention: the machine is shared. All contenders stay up and take turns, one optimizer step each, in an order
+that reverses every round, so the steps compared are seconds apart. For every step the driver also records how
+many cores other jobs used meanwhile (/proc/stat, less the contender's own CPU time): `clean` steps are those
+where that stayed under --clean. Reported per side: tokens/s over all timed steps, the median of clean steps, the
+best step; ratios to --baseline of each, and the median of per-round ratios.
 """
 from __future__ import annotations
 
@@ -117,6 +123,57 @@ def wait_for_turn() -> None:
         raise SystemExit("driver went away")
 
 
+class PlainLearner:
+    """PROTOTYPE: train/learner.py's Learner interface on plain torch (same peft LoRA, same torch AdamW, clipping
+    by torch), without the DeepSpeed engine: optimize() runs on it unchanged, so the difference is DeepSpeed's."""
+
+    def __init__(self, model_dir: Path, config):
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from lightning_otel.train.learner import LORA_TARGETS
+
+        self.config = config
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if config.bf16 else torch.float32)
+        model.config.use_cache = False
+        self.module = self.engine = get_peft_model(model, LoraConfig(
+            r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=LORA_TARGETS, lora_dropout=0.0,
+            task_type="CAUSAL_LM"))
+        torch.manual_seed(config.seed)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.trainable = sum(p.numel() for p in self.params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
+
+    def train_mode(self, on: bool) -> None:
+        self.module.train(on)
+
+    def logprobs(self, batch):
+        from lightning_otel.train.batch import completion_logprobs
+
+        return completion_logprobs(self.module, batch)
+
+    def reference_logprobs(self, batch):
+        import torch
+
+        with torch.no_grad(), self.module.disable_adapter():
+            return self.logprobs(batch)
+
+    def backward(self, loss, last_of_step: bool) -> None:
+        import torch
+
+        loss.backward()
+        if last_of_step:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass
+
+
 def run_ours(args: argparse.Namespace) -> None:
     """Child: set up our Learner, report ready, then run one optimizer step each time the driver says so."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -139,8 +196,8 @@ def run_ours(args: argparse.Namespace) -> None:
                          "rollout_id": f"{i}-{k}"})
     config = TrainConfig(batch_size=len(rows), micro_batch=args.micro_batch, lr=1e-5, clip=0.2, kl=args.beta,
                          aggregation="sequence", grad_clip=1.0, lora_rank=16, lora_alpha=32,
-                         full_finetune=args.full_finetune, zero_stage=args.zero_stage, seed=args.seed)
-    learner = Learner(Path(data["model_dir"]), config)
+                         full_finetune=args.full_finetune, zero_stage=args.zero_stage, bf16=args.bf16, seed=args.seed)
+    learner = (PlainLearner if args.variant == "nods" else Learner)(Path(data["model_dir"]), config)
     process = psutil.Process()
     check = shared_prefix.check_logprobs(learner, rows) if args.variant == "prefix" else None
     report({"ready": True, "ready_rss_mb": process.memory_info().rss / 2**20, "trainable": learner.trainable,
@@ -157,6 +214,14 @@ def run_ours(args: argparse.Namespace) -> None:
                 "loss": loss, "rss_mb": process.memory_info().rss / 2**20})
     learner.close()
     report({"done": True, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def cpu_busy_seconds() -> float:
+    """Non-idle CPU time of the whole machine since boot (/proc/stat, all cores)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 class Side:
@@ -176,10 +241,12 @@ class Side:
         raise RuntimeError(f"{self.name} exited (code {self.proc.wait()}); see {self.log.name}")
 
     def step(self) -> dict:
+        busy = cpu_busy_seconds()
         self.proc.stdin.write("step\n")
         self.proc.stdin.flush()
         out = self.receive()
-        out["load_1min"] = round(os.getloadavg()[0], 2)
+        # CPU time the whole machine spent during the step, less the contender's own: other jobs' work.
+        out["foreign_cores"] = max(0.0, cpu_busy_seconds() - busy - out["cpu_seconds"]) / out["seconds"]
         self.steps.append(out)
         return out
 
@@ -195,44 +262,61 @@ def side_command(side: str, args: argparse.Namespace, data: Path, beta: float) -
               "--micro-batch", str(args.micro_batch), "--seed", str(args.seed)]
     if args.full_finetune:
         common.append("--full-finetune")
-    if side == "trl":
-        return [args.trl_python, str(PEER), *common]
-    if side == "trl-compact":
-        return [args.trl_python, str(PEER), "--compact-lm-head", *common]
-    variant = "optimize" if side == "ours" else side.removeprefix("ours-")
+    name, *options = side.split("-")
+    if name == "trl":
+        flags = {"compact": "--compact-lm-head", "bf16": "--bf16", "defaults": "--trl-defaults"}
+        return [args.trl_python, str(PEER), *[flags[o] for o in options], *common]
+    if name != "ours" or not set(options) <= {"prefix", "nods", "bf16"}:
+        raise SystemExit(f"unknown side {side!r}")
+    variant = next((o for o in options if o in ("prefix", "nods")), "optimize")
     return [sys.executable, __file__, "--child", "ours", "--variant", variant, "--zero-stage", str(args.zero_stage),
-            *common]
+            *(["--bf16"] if "bf16" in options else []), *common]
 
 
-def compare(sides: list[Side], warmup: int) -> dict:
-    """Per side: tokens/s over the timed steps; per step pair: ours / TRL of the same turn."""
-    def rate(step: dict, key: str = "seconds") -> float:
-        return step["tokens"] / step[key]
+def compare(sides: list[Side], warmup: int, baseline: str, clean: float) -> dict:
+    """Per side, over the timed steps: tokens/s over all of them, the median of the clean ones (other jobs used
+    under `clean` cores meanwhile) and the best one; ratios of each to the baseline side's same figure, and the
+    median of per-turn ratios (same round, seconds apart)."""
+    def rate(step: dict) -> float:
+        return step["tokens"] / step["seconds"]
 
-    out = {}
-    trl = next((s for s in sides if s.name == "trl"), None)
-    for side in sides:
+    def figures(side: Side) -> dict:
         timed = side.steps[warmup:]
-        entry = {"tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed),
-                 "step_seconds": [round(s["seconds"], 2) for s in timed],
-                 "tokens_per_cpu_s": sum(s["tokens"] for s in timed) / sum(s["cpu_seconds"] for s in timed),
+        quiet = [rate(s) for s in timed if s["foreign_cores"] < clean]
+        return {"all": sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed),
+                "clean_median": statistics.median(quiet) if quiet else None, "clean_steps": len(quiet),
+                "best": max(rate(s) for s in timed)}
+
+    base = next((s for s in sides if s.name == baseline), None)
+    out = {}
+    for side in sides:
+        mine = figures(side)
+        entry = {"tokens_per_s": mine, "step_seconds": [round(s["seconds"], 2) for s in side.steps[warmup:]],
+                 "foreign_cores": [round(s["foreign_cores"], 2) for s in side.steps[warmup:]],
                  "ready_rss_mb": round(side.ready["ready_rss_mb"]), "peak_rss_mb": round(side.done["peak_rss_mb"])}
-        if trl is not None and side is not trl:
-            pairs = [rate(a) / rate(b) for a, b in zip(timed, trl.steps[warmup:])]
-            cpu_pairs = [rate(a, "cpu_seconds") / rate(b, "cpu_seconds") for a, b in zip(timed, trl.steps[warmup:])]
-            trl_timed = trl.steps[warmup:]
-            trl_rate = sum(s["tokens"] for s in trl_timed) / sum(s["seconds"] for s in trl_timed)
-            entry.update({"ratio_to_trl": entry["tokens_per_s"] / trl_rate,
-                          "step_ratios": [round(x, 3) for x in pairs], "step_ratio_median": statistics.median(pairs),
-                          "cpu_step_ratio_median": statistics.median(cpu_pairs),
-                          "peak_rss_to_trl": side.done["peak_rss_mb"] / trl.done["peak_rss_mb"]})
+        if base is not None and side is not base:
+            theirs = figures(base)
+            pairs = [rate(a) / rate(b) for a, b in zip(side.steps[warmup:], base.steps[warmup:])]
+            entry[f"to_{baseline}"] = {
+                "all": mine["all"] / theirs["all"], "best": mine["best"] / theirs["best"],
+                "clean_median": mine["clean_median"] / theirs["clean_median"]
+                if mine["clean_median"] and theirs["clean_median"] else None,
+                "turn_ratio_median": statistics.median(pairs), "turn_ratios": [round(x, 3) for x in pairs],
+                "peak_rss": side.done["peak_rss_mb"] / base.done["peak_rss_mb"]}
         out[side.name] = entry
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trl-python", help="python of the venv with trl (omit to run ours only)")
+    parser.add_argument("--trl-python", help="python of the venv with trl (for the trl* sides)")
+    parser.add_argument("--sides", nargs="+", default=["ours", "trl"],
+                        help="contenders: ours, ours-prefix, ours-nods, ours-bf16, trl, trl-compact, trl-bf16, "
+                             "trl-defaults (default: ours trl)")
+    parser.add_argument("--baseline", default="trl", help="the side ratios are taken against (default: trl)")
+    parser.add_argument("--threads", type=int, help="torch threads in every contender (default: torch's own)")
+    parser.add_argument("--clean", type=float, default=0.25,
+                        help="a step is clean when other jobs used fewer cores than this meanwhile (default 0.25)")
     parser.add_argument("--samples", type=int, default=8, help="completions per optimizer step (default 8)")
     parser.add_argument("--group", type=int, default=4, help="completions per prompt (GRPO group size)")
     parser.add_argument("--completion", type=int, default=64, help="tokens per completion")
@@ -246,12 +330,10 @@ def main() -> None:
     parser.add_argument("--full-finetune", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, help="folder for the batch JSON (reused when present)")
-    parser.add_argument("--prototype", action="store_true",
-                        help="also run ours-prefix: the shared-prompt forward prototyped in this file")
-    parser.add_argument("--trl-compact", action="store_true",
-                        help="also run trl-compact: TRL patched to skip prompt positions in its LM head (as on CUDA)")
     parser.add_argument("--child", choices=["ours"], help=argparse.SUPPRESS)
-    parser.add_argument("--variant", choices=["optimize", "prefix"], default="optimize", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=["optimize", "prefix", "nods"], default="optimize",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--beta", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -276,8 +358,11 @@ def main() -> None:
     print(json.dumps({"batch": {"tasks": [p["task"] for p in batch["prompts"]],
                                 "prompt_tokens": [len(p["prompt_ids"]) for p in batch["prompts"]],
                                 "group": batch["group"], "completion_tokens": args.completion}}), flush=True)
-    names = ["ours"] + (["ours-prefix"] if args.prototype else []) + (["trl"] if args.trl_python else []) + \
-        (["trl-compact"] if args.trl_python and args.trl_compact else [])
+    if any(n.startswith("trl") for n in args.sides) and not args.trl_python:
+        raise SystemExit("the trl sides need --trl-python")
+    if args.threads:
+        os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    names = args.sides
     results = {}
     for beta in args.betas:
         sides = []
@@ -289,7 +374,7 @@ def main() -> None:
                 print(json.dumps({"beta": beta, "side": side.name, "step": i, **side.step()}), flush=True)
         for side in sides:
             side.done = side.finish()
-        results[str(beta)] = compare(sides, args.warmup)
+        results[str(beta)] = compare(sides, args.warmup, args.baseline, args.clean)
         print(json.dumps({"beta": beta, "result": results[str(beta)]}), flush=True)
     print(json.dumps({"summary": results}, indent=1), flush=True)
 

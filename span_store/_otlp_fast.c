@@ -942,8 +942,7 @@ enum Col {
     C_TRACE_ID, C_SPAN_ID, C_PARENT_SPAN_ID, C_TRACE_STATE, C_FLAGS, C_NAME, C_KIND, C_START_NS, C_END_NS,
     C_STATUS_CODE, C_STATUS_MESSAGE, C_ATTRIBUTES, C_RESOURCE, C_SCOPE_NAME, C_SCOPE_VERSION, C_EVENTS,
     C_LINKS, C_SERVICE_NAME, C_ROLLOUT_ID, C_TASK_ID, C_ATTEMPT, C_OPERATION_NAME, C_REQUEST_MODEL,
-    C_RESPONSE_MODEL, C_INPUT_TOKENS, C_OUTPUT_TOKENS, C_RECEIVED_NS, C_RESPONSE_ID, C_ATTR_AGENT_NAME,
-    C_ATTR_SPAN_KIND, C_ATTR_AGENT_ROLE, C_ATTR_ENTITY_NAME, C_ATTR_TASK_NAME, N_COLS
+    C_RESPONSE_MODEL, C_INPUT_TOKENS, C_OUTPUT_TOKENS, C_RECEIVED_NS, C_RESPONSE_ID, C_AGENT_NAME, N_COLS
 };
 
 /* Must equal otlp.SPAN_SCHEMA.names (tests/test_otlp_fast.py checks). */
@@ -951,8 +950,7 @@ static const char *const COL_NAMES[N_COLS] = {
     "trace_id", "span_id", "parent_span_id", "trace_state", "flags", "name", "kind", "start_ns", "end_ns",
     "status_code", "status_message", "attributes", "resource", "scope_name", "scope_version", "events",
     "links", "service_name", "rollout_id", "task_id", "attempt", "operation_name", "request_model",
-    "response_model", "input_tokens", "output_tokens", "received_ns", "response_id", "attr_agent_name",
-    "attr_span_kind", "attr_agent_role", "attr_entity_name", "attr_task_name",
+    "response_model", "input_tokens", "output_tokens", "received_ns", "response_id", "agent_name",
 };
 static const char *const SPAN_KINDS[] = {"UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"};
 static const char *const STATUS_CODES[] = {"UNSET", "OK", "ERROR"};
@@ -1157,11 +1155,95 @@ static void promote(Decoder *d, size_t base, const Resource *res, PyObject **row
     row[C_OUTPUT_TOKENS] =
         as_int(attr_get(c, base, "gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"));
     row[C_RESPONSE_ID] = as_str(attr_get(c, base, "gen_ai.response.id", NULL));
-    row[C_ATTR_AGENT_NAME] = as_str(attr_get(c, base, "gen_ai.agent.name", NULL));
-    row[C_ATTR_SPAN_KIND] = as_str(attr_get(c, base, "traceloop.span.kind", NULL));
-    row[C_ATTR_AGENT_ROLE] = as_str(attr_get(c, base, "crewai.agent.role", NULL));
-    row[C_ATTR_ENTITY_NAME] = as_str(attr_get(c, base, "traceloop.entity.name", NULL));
-    row[C_ATTR_TASK_NAME] = as_str(attr_get(c, base, "gen_ai.task.name", NULL));
+}
+
+/* ---- the agent, task or graph node a span stands for -------------------------------------------- */
+
+static const char *const LLM_OR_TOOL_OPS[] = {"chat", "text_completion", "generate_content", "execute_tool", NULL};
+static const char *const AGENT_KINDS[] = {"agent", "task", NULL};
+static const char *const AGENT_OPS[] = {"invoke_agent", "create_agent", "execute_task", NULL};
+
+static int str_in(PyObject *value, const char *const *names)
+{
+    if (!value || !PyUnicode_Check(value))
+        return 0;
+    for (; *names; names++)
+        if (PyUnicode_CompareWithASCIIString(value, *names) == 0)
+            return 1;
+    return 0;
+}
+
+/* SQL `name LIKE '<pattern>%'`: pattern is ASCII, '_' matches any one character. */
+static int like_prefix(PyObject *name, const char *pattern)
+{
+    Py_ssize_t n = (Py_ssize_t)strlen(pattern);
+    if (PyUnicode_GET_LENGTH(name) < n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (pattern[i] != '_' && PyUnicode_READ_CHAR(name, i) != (Py_UCS4)(unsigned char)pattern[i])
+            return 0;
+    return 1;
+}
+
+/* name without the first of `affixes` it ends with (suffix) or starts with (prefix); a new reference. */
+static PyObject *strip_affix(PyObject *name, const char *const *affixes, int suffix)
+{
+    Py_ssize_t len = PyUnicode_GET_LENGTH(name);
+    for (; *affixes; affixes++) {
+        PyObject *affix = PyUnicode_FromString(*affixes);
+        if (!affix)
+            return NULL;
+        Py_ssize_t n = PyUnicode_GET_LENGTH(affix);
+        Py_ssize_t match = n <= len ? PyUnicode_Tailmatch(name, affix, 0, len, suffix ? 1 : -1) : 0;
+        Py_DECREF(affix);
+        if (match < 0)
+            return NULL;
+        if (match)
+            return suffix ? PyUnicode_Substring(name, 0, len - n) : PyUnicode_Substring(name, n, len);
+    }
+    return Py_NewRef(name);
+}
+
+static PyObject *first_set(PyObject *const *values, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (values[i] != Py_None)
+            return values[i];
+    return NULL;
+}
+
+/* agent_name_from (migration 0006) on the span's own attributes: the agent, task or graph node the span
+ * stands for, or None. The SQL macro is the definition; otlp._agent_name is the Python twin, and
+ * tests/test_trajectories.py checks both against it on recorded spans. */
+static PyObject *agent_name(Ctx *c, size_t base, PyObject *name, PyObject *op)
+{
+    static const char *const SUFFIXES[] = {".agent", ".task", NULL};
+    static const char *const PREFIXES[] = {"invoke_agent ", "execute_task ", "create_agent ", NULL};
+    static const char *const KEYS[] = {"gen_ai.agent.name", "traceloop.span.kind", "crewai.agent.role",
+                                       "traceloop.entity.name", "gen_ai.task.name"};
+    PyObject *f[5] = {NULL};
+    PyObject *out = NULL;
+    for (int i = 0; i < 5; i++)
+        if (!(f[i] = as_str(attr_get(c, base, KEYS[i], NULL))))
+            goto done;
+    PyObject *agent = f[0], *kind = f[1], *role = f[2], *entity = f[3], *task = f[4];
+    if (agent != Py_None && !str_in(op, LLM_OR_TOOL_OPS)) {
+        out = Py_NewRef(agent);
+    } else if (str_in(kind, AGENT_KINDS)) {
+        PyObject *order[] = {agent, role, entity, task};
+        PyObject *pick = first_set(order, 4);
+        out = pick ? Py_NewRef(pick) : strip_affix(name, SUFFIXES, 1);
+    } else if (str_in(op, AGENT_OPS) || like_prefix(name, "invoke_agent ") || like_prefix(name, "execute_task ")) {
+        PyObject *order[] = {agent, task, entity};
+        PyObject *pick = first_set(order, 3);
+        out = pick ? Py_NewRef(pick) : strip_affix(name, PREFIXES, 0);
+    } else {
+        out = Py_NewRef(Py_None);
+    }
+done:
+    for (int i = 0; i < 5; i++)
+        Py_XDECREF(f[i]);
+    return out;
 }
 
 static int add_row(Decoder *d, const Span *s, size_t base, const Resource *res, PyObject *scope_name,
@@ -1179,6 +1261,7 @@ static int add_row(Decoder *d, const Span *s, size_t base, const Resource *res, 
     row[C_TRACE_STATE] = utf8_str_or_none(s->trace_state.data, s->trace_state.len);
     row[C_FLAGS] = PyLong_FromUnsignedLongLong(s->flags);
     row[C_NAME] = utf8_str(s->name.data, s->name.len);
+    row[C_AGENT_NAME] = row[C_NAME] ? agent_name(&d->ctx, base, row[C_NAME], row[C_OPERATION_NAME]) : NULL;
     row[C_KIND] = enum_name(s->kind, SPAN_KINDS, 6);
     row[C_START_NS] = clamp_ns(s->start);
     row[C_END_NS] = clamp_ns(s->end);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -56,14 +57,9 @@ SPAN_SCHEMA = pa.schema([
     ("request_model", pa.string()), ("response_model", pa.string()),
     ("input_tokens", pa.int64()), ("output_tokens", pa.int64()),
     ("received_ns", pa.int64()),
-    # gen_ai.response.id (stored), and the attributes the stored agent_name is computed from at insert
-    # (store.insert_batch; not stored themselves): read here, where the attributes are at hand, so that
-    # storing a span parses no JSON (migration 0006).
-    ("response_id", pa.string()), ("attr_agent_name", pa.string()), ("attr_span_kind", pa.string()),
-    ("attr_agent_role", pa.string()), ("attr_entity_name", pa.string()), ("attr_task_name", pa.string()),
+    # Migration 0006: read here, where the attributes are at hand, so that storing a span parses no JSON.
+    ("response_id", pa.string()), ("agent_name", pa.string()),
 ])
-# Decoded columns that only feed columns computed at insert.
-INSERT_ONLY_COLUMNS = ("attr_agent_name", "attr_span_kind", "attr_agent_role", "attr_entity_name", "attr_task_name")
 
 LOG_SCHEMA = pa.schema([
     ("log_id", pa.string()), ("time_ns", pa.int64()), ("observed_ns", pa.int64()),
@@ -280,6 +276,31 @@ def _append_identity(columns: dict[str, list], attrs: dict[str, Any], res: _Reso
     columns["attempt"].append(res.attempt if attempt is None else _as_int(attempt))
 
 
+_LLM_OR_TOOL_OPS = ("chat", "text_completion", "generate_content", "execute_tool")
+_AGENT_OPS = ("invoke_agent", "create_agent", "execute_task")
+_AGENT_NAME_PREFIX = re.compile(r"(invoke.agent|execute.task) ", re.DOTALL)  # SQL LIKE: '_' is any character
+
+
+def _agent_name(name: str, operation: str | None, attrs: dict[str, Any]) -> str | None:
+    """agent_name_from (migration 0006) on a span's own attributes: the agent, task or graph node it stands
+    for. The SQL macro is the definition; the C decoder has the same code (tests/test_trajectories.py)."""
+    agent, kind = _as_str(attrs.get("gen_ai.agent.name")), _as_str(attrs.get("traceloop.span.kind"))
+    if agent is not None and operation not in _LLM_OR_TOOL_OPS:
+        return agent
+    if kind in ("agent", "task"):
+        for value in (agent, _as_str(attrs.get("crewai.agent.role")), _as_str(attrs.get("traceloop.entity.name")),
+                      _as_str(attrs.get("gen_ai.task.name"))):
+            if value is not None:
+                return value
+        return re.sub(r"\.(agent|task)\Z", "", name, count=1)
+    if operation in _AGENT_OPS or _AGENT_NAME_PREFIX.match(name):
+        for value in (agent, _as_str(attrs.get("gen_ai.task.name")), _as_str(attrs.get("traceloop.entity.name"))):
+            if value is not None:
+                return value
+        return re.sub(r"^(invoke_agent|execute_task|create_agent) ", "", name, count=1)
+    return None
+
+
 class _SpanColumns:
     def __init__(self) -> None:
         self.columns: dict[str, list] = {name: [] for name in SPAN_SCHEMA.names}
@@ -331,11 +352,7 @@ class _SpanColumns:
             _as_int(get("gen_ai.usage.output_tokens", get("gen_ai.usage.completion_tokens"))))
         c["received_ns"].append(self.received_ns)
         c["response_id"].append(_as_str(get("gen_ai.response.id")))
-        c["attr_agent_name"].append(_as_str(get("gen_ai.agent.name")))
-        c["attr_span_kind"].append(_as_str(get("traceloop.span.kind")))
-        c["attr_agent_role"].append(_as_str(get("crewai.agent.role")))
-        c["attr_entity_name"].append(_as_str(get("traceloop.entity.name")))
-        c["attr_task_name"].append(_as_str(get("gen_ai.task.name")))
+        c["agent_name"].append(_agent_name(name, c["operation_name"][-1], attrs))
 
     def result(self) -> Decoded:
         table = pa.Table.from_pydict(self.columns, schema=SPAN_SCHEMA)

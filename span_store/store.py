@@ -19,7 +19,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lightning_otel.errors import UserError
-from lightning_otel.span_store import otlp
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +31,6 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 """
 # Plain INSERT first: it is ~1.5x faster than OR IGNORE on a large table (measured at 1M spans). When a
 # batch holds a row already stored (an exporter retry), the caller rolls back and inserts OR IGNORE.
-# Spans are stored with columns computed from what the decoder extracted (migration 0006: response_id,
-# agent_name); rows that come in the spans table's own shape get them from their JSON.
 SQL_INSERT = {"traces": "INSERT INTO spans BY NAME SELECT * FROM {source}",
               "logs": "INSERT INTO logs BY NAME SELECT * FROM batch"}
 SQL_INSERT_IGNORING_DUPLICATES = {"traces": "INSERT OR IGNORE INTO spans BY NAME SELECT * FROM {source}",
@@ -229,13 +226,9 @@ def insert_batch(con: duckdb.DuckDBPyConnection, kind: str, batch: pa.Table, ski
     trace and span id, same log content) are skipped; without, a duplicate raises duckdb.ConstraintException
     (the caller then rolls back and retries with skip_duplicates)."""
     con.register("batch", batch)
-    names = set(batch.schema.names)
-    if "agent_name" in names:  # already has everything (rows copied from a store)
-        source = "batch"
-    elif names.issuperset(otlp.INSERT_ONLY_COLUMNS):
-        source = "spans_from_decoded('batch')"
-    else:
-        source = "spans_from_rows('batch')"
+    # Decoded spans carry agent_name and response_id (migration 0006); rows in the table's own older shape
+    # get them from their JSON.
+    source = "batch" if kind != "traces" or "agent_name" in batch.schema.names else "spans_from_rows('batch')"
     try:
         con.execute((SQL_INSERT_IGNORING_DUPLICATES if skip_duplicates else SQL_INSERT)[kind].format(source=source))
         if kind == "traces":

@@ -185,3 +185,54 @@ def test_prune_removes_the_token_records_of_pruned_traces(duplicated):
     assert client.query("SELECT count(*) AS n FROM token_records", duplicated)["n"][0] == 6
     client.prune(duplicated, 2**62)  # every trace ended before then
     assert client.query("SELECT count(*) AS n FROM token_records", duplicated)["n"][0] == 0
+
+
+# Span shapes around every branch of agent_name_from, and the recorded real ones: (name, attributes).
+AGENT_SHAPES = [
+    ("invoke_agent planner", {"gen_ai.operation.name": "invoke_agent"}),
+    ("invoke-agent x", {}),  # SQL LIKE 'invoke_agent %': '_' is any character
+    ("execute_task", {"gen_ai.operation.name": "execute_task", "traceloop.entity.name": "node"}),
+    ("create_agent helper", {"gen_ai.operation.name": "create_agent"}),
+    ("Writer.agent", {"traceloop.span.kind": "agent"}),
+    ("Q?.task", {"traceloop.span.kind": "task", "crewai.agent.role": "R"}),
+    ("x.agent.task", {"traceloop.span.kind": "task"}),
+    ("chat gpt-4o", {"gen_ai.operation.name": "chat", "gen_ai.agent.name": "A"}),  # an LLM call is no agent
+    ("anything", {"gen_ai.agent.name": "B"}),
+    ("wf", {"traceloop.span.kind": "workflow", "gen_ai.agent.name": ""}),
+    ("execute_tool t", {"gen_ai.operation.name": "execute_tool", "gen_ai.agent.name": "C"}),
+    ("plain", {"gen_ai.task.name": "T"}),
+]
+
+
+def test_the_decoders_name_agents_as_the_sql_rule_does(tmp_path):
+    """Both decoders compute agent_name at ingest (no JSON parsed when storing); the SQL macro
+    agent_name_of is the definition. Same answers on every branch and on the recorded frameworks."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from conftest import FIXTURES
+    from lightning_otel.span_store import otlp, store
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    for name, attributes in AGENT_SHAPES:
+        provider.get_tracer("t").start_span(name, attributes=attributes).end()
+    bodies = [encode_spans(memory.get_finished_spans()).SerializeToString()]
+    bodies += [p.read_bytes() for s in SCENARIOS for p in sorted((FIXTURES / "otlp" / s).glob("[0-9]*.pb"))]
+    con = store.connect(tmp_path / "names.duckdb")
+    named = set()
+    for decode in (otlp.decode_traces_protobuf, otlp.decode_traces_protobuf_python):
+        for body in bodies:
+            con.register("batch", decode(body).table)
+            rows = con.execute("SELECT name, agent_name, agent_name_of(name, attributes, operation_name) FROM batch"
+                               ).fetchall()
+            assert [(n, a) for n, a, _ in rows] == [(n, rule) for n, _, rule in rows], decode.__name__
+            named |= {a for _, a, _ in rows if a}
+    assert {"LangGraph", "write_query", "sql_agent", "SQL Analyst", "How many singers are there?"} <= named
+    first = otlp.decode_traces_protobuf(bodies[0]).table.to_pydict()
+    assert dict(zip(first["name"], first["agent_name"])) == {
+        "invoke_agent planner": "planner", "invoke-agent x": "invoke-agent x", "execute_task": "node",
+        "create_agent helper": "helper", "Writer.agent": "Writer", "Q?.task": "R", "x.agent.task": "x.agent",
+        "chat gpt-4o": None, "anything": "B", "wf": "", "execute_tool t": None, "plain": None}

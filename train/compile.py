@@ -191,7 +191,7 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
     if config.turn_weight:
         with_advantage = _add_turn_term(with_advantage, config.turn_weight)
     flat = steps.join(with_advantage.select("rollout_id").unique(), on="rollout_id", how="anti")
-    account.excluded["zero-variance group"] += flat.select("rollout_id").n_unique()
+    exclude(flat.select("rollout_id").unique(), "zero-variance group")
     out = trajectories.join_lists(with_advantage, tokens.lists).select(
         "rollout_id", "task_id", pl.col("attempt").cast(pl.Int64), pl.col("policy_version").cast(pl.Int64), "agent",
         "agent_path", pl.col("turn").cast(pl.Int32),

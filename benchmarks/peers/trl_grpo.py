@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4, help="per_device_train_batch_size")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--full-finetune", action="store_true", help="no LoRA: train every weight")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GRPOConfig bf16=True), no checkpointing")
     parser.add_argument("--trl-defaults", action="store_true",
                         help="keep GRPOConfig's own bf16 and gradient_checkpointing defaults (both on)")
     parser.add_argument("--compact-lm-head", action="store_true",
@@ -130,7 +131,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(data["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(data["model_dir"], dtype=torch.float32)
-    extra = {} if args.trl_defaults else {"bf16": False, "activation_checkpointing": False}
+    extra = {} if args.trl_defaults else {"bf16": args.bf16, "activation_checkpointing": False}
     config = GRPOConfig(
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.data)), "trl-out"),
         per_device_train_batch_size=args.micro_batch,
