@@ -1,7 +1,7 @@
 """GRPO update throughput: trained tokens/s of one optimizer step, sampling excluded, ours vs TRL's GRPOTrainer.
 
     .venv/bin/python benchmarks/grpo_throughput.py --trl-python /work/venvs/trl/bin/python \
-        --sides ours ours-prefix trl trl-compact --betas 0.0 0.04 --steps 12 --work /tmp/grpo-bench
+        --sides ours trl --betas 0.0 0.04 --steps 10 --work /tmp/grpo-bench
 
 Batch: `samples / group` Spider dev tasks (distinct databases) as the SQL agent's first call sees them (its
 "write a query" system prompt with the database schema, the question as the user turn, the bundled model's chat
@@ -9,7 +9,8 @@ template), prompts of --min-prompt..--max-prompt tokens; `group` completions per
 bundled SmolLM2-135M (fp32, temperature 1, exactly --completion tokens each), their sampling logprobs, a fixed
 random reward each. Every contender gets these identical token ids (one JSON file) and trains on them each step.
 
-Contenders (--sides), each its own process (so its peak RSS is its own):
+Contenders (--sides), each its own process (so its peak RSS is its own; each holds its peak, 3-5 GB, between
+steps, so on a shared machine run two at a time):
   ours          optimize() (train/optimize.py) on a Learner (HF model + peft LoRA + DeepSpeed ZeRO-2, torch AdamW),
                 aggregation "sequence" (= TRL's loss_type "grpo"), advantages as TRL computes them
                 ((r - group mean) / (group std + 1e-4)); the step as optimize() runs it: collate, reference
@@ -224,6 +225,14 @@ def cpu_busy_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_for_memory(gigabytes: float) -> None:
+    """The machine is shared: a step (up to ~5 GB here) waits until that much memory is available."""
+    import psutil
+
+    while psutil.virtual_memory().available < gigabytes * 2**30:
+        time.sleep(10)
+
+
 class Side:
     """A contender's process, driven one optimizer step at a time over stdin/stdout."""
 
@@ -240,7 +249,8 @@ class Side:
                 return json.loads(line[len(MARK):])
         raise RuntimeError(f"{self.name} exited (code {self.proc.wait()}); see {self.log.name}")
 
-    def step(self) -> dict:
+    def step(self, min_free_gb: float) -> dict:
+        wait_for_memory(min_free_gb)
         busy = cpu_busy_seconds()
         self.proc.stdin.write("step\n")
         self.proc.stdin.flush()
@@ -314,6 +324,8 @@ def main() -> None:
                         help="contenders: ours, ours-prefix, ours-nods, ours-bf16, trl, trl-compact, trl-bf16, "
                              "trl-defaults (default: ours trl)")
     parser.add_argument("--baseline", default="trl", help="the side ratios are taken against (default: trl)")
+    parser.add_argument("--min-free-gb", type=float, default=6.0,
+                        help="wait before a step until this much memory is available (default 6)")
     parser.add_argument("--threads", type=int, help="torch threads in every contender (default: torch's own)")
     parser.add_argument("--clean", type=float, default=0.25,
                         help="a step is clean when other jobs used fewer cores than this meanwhile (default 0.25)")
@@ -371,7 +383,8 @@ def main() -> None:
             print(json.dumps({"beta": beta, "side": name, **sides[-1].ready}), flush=True)
         for i in range(args.warmup + args.steps):
             for side in (sides if i % 2 == 0 else sides[::-1]):
-                print(json.dumps({"beta": beta, "side": side.name, "step": i, **side.step()}), flush=True)
+                print(json.dumps({"beta": beta, "side": side.name, "step": i, **side.step(args.min_free_gb)}),
+                      flush=True)
         for side in sides:
             side.done = side.finish()
         results[str(beta)] = compare(sides, args.warmup, args.baseline, args.clean)

@@ -64,3 +64,4 @@ def test_masked_tokens_do_not_count():
     assert float(sft_loss(logp, weights).loss) == pytest.approx(1.0)
     out = grpo_loss(logp, torch.tensor([[-1.0, 0.0]]), torch.tensor([1.0]), weights)
     assert out.clip_fraction == 0.0 and out.ratio_mean == pytest.approx(1.0)
+

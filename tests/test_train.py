@@ -251,3 +251,33 @@ def test_serve_puts_the_trained_policy_behind_the_gateway_and_records_its_calls(
     finally:
         stop.set()
         thread.join(60)
+
+
+def test_a_child_process_does_not_reuse_the_parents_rendezvous_port():
+    import os
+    import subprocess
+    import sys
+
+    from lightning_otel.train.learner import distributed_env
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LIGHTNING_OTEL_DIST_OWNER")}
+    try:
+        for key in saved:
+            os.environ.pop(key, None)
+        distributed_env()
+        parent_port = os.environ["MASTER_PORT"]
+        child = subprocess.run([sys.executable, "-c", "import os; from lightning_otel.train.learner import "
+                                "distributed_env; distributed_env(); print(os.environ['MASTER_PORT'])"],
+                               capture_output=True, text=True, check=True)
+        assert child.stdout.strip() != parent_port
+        launcher = {k: v for k, v in os.environ.items() if k != "LIGHTNING_OTEL_DIST_OWNER"}
+        child = subprocess.run([sys.executable, "-c", "import os; from lightning_otel.train.learner import "
+                                "distributed_env; distributed_env(); print(os.environ['MASTER_PORT'])"],
+                               capture_output=True, text=True, check=True, env=launcher)
+        assert child.stdout.strip() == parent_port  # a launcher's settings are kept
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -23,17 +23,22 @@ from lightning_otel.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 LORA_TARGETS = "all-linear"
+OWNER_ENV = "LIGHTNING_OTEL_DIST_OWNER"  # marks the torch.distributed variables as set by us, not a launcher
 
 
 def distributed_env() -> None:
     """One-process torch.distributed settings, unless a launcher (deepspeed, torchrun) set them."""
-    if torch.distributed.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return  # a launcher's settings, or an earlier learner of this process: its process group is reused
+    if torch.distributed.is_initialized():
+        return  # an earlier learner of this process: its process group is reused
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and OWNER_ENV not in os.environ:
+        return  # a launcher's settings
+    # Not set, or set by a lightning-otel parent process (inherited): a fresh port of our own, else this
+    # process would meet the parent's rendezvous store on the same port.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+                       "MASTER_PORT": str(port), OWNER_ENV: str(os.getpid())})
 
 
 def deepspeed_config(config: TrainConfig) -> dict:
