@@ -254,30 +254,23 @@ def test_serve_puts_the_trained_policy_behind_the_gateway_and_records_its_calls(
 
 
 def test_a_child_process_does_not_reuse_the_parents_rendezvous_port():
-    import os
     import subprocess
     import sys
 
-    from lightning_otel.train.learner import distributed_env
-
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LIGHTNING_OTEL_DIST_OWNER")}
-    try:
-        for key in saved:
-            os.environ.pop(key, None)
-        distributed_env()
-        parent_port = os.environ["MASTER_PORT"]
-        child = subprocess.run([sys.executable, "-c", "import os; from lightning_otel.train.learner import "
-                                "distributed_env; distributed_env(); print(os.environ['MASTER_PORT'])"],
-                               capture_output=True, text=True, check=True)
-        assert child.stdout.strip() != parent_port
-        launcher = {k: v for k, v in os.environ.items() if k != "LIGHTNING_OTEL_DIST_OWNER"}
-        child = subprocess.run([sys.executable, "-c", "import os; from lightning_otel.train.learner import "
-                                "distributed_env; distributed_env(); print(os.environ['MASTER_PORT'])"],
-                               capture_output=True, text=True, check=True, env=launcher)
-        assert child.stdout.strip() == parent_port  # a launcher's settings are kept
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    # The parent runs in a fresh process too: this test process may already hold a process group.
+    parent = r"""
+import os, subprocess, sys
+for key in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LIGHTNING_OTEL_DIST_OWNER"):
+    os.environ.pop(key, None)
+from lightning_otel.train.learner import distributed_env
+distributed_env()
+code = "import os; from lightning_otel.train.learner import distributed_env; distributed_env(); print(os.environ['MASTER_PORT'])"
+inherited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+launcher = {k: v for k, v in os.environ.items() if k != "LIGHTNING_OTEL_DIST_OWNER"}
+kept = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=launcher).stdout.strip()
+print(os.environ["MASTER_PORT"], inherited, kept)
+"""
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True)
+    parent_port, inherited, kept = out.stdout.split()
+    assert inherited != parent_port  # a lightning-otel parent's port is not reused
+    assert kept == parent_port  # a launcher's settings are kept
