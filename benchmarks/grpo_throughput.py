@@ -14,9 +14,9 @@ steps, so on a shared machine run two at a time):
   ours          optimize() (train/optimize.py) on a Learner (HF model + peft LoRA + DeepSpeed ZeRO-2, torch AdamW),
                 aggregation "sequence" (= TRL's loss_type "grpo"), advantages as TRL computes them
                 ((r - group mean) / (group std + 1e-4)); the step as optimize() runs it: collate, reference
-                log-probs when beta > 0, forward, loss, backward, clipping, AdamW
-  ours-prefix   PROTOTYPE (benchmarks/shared_prefix.py): the same step, the group's shared prompt run once
-  ours-nods     PROTOTYPE: optimize() on PlainLearner below (no DeepSpeed engine)
+                log-probs when beta > 0, forward, loss, backward, clipping, AdamW. A group's samples share their
+                prompt, so each micro-batch runs it once (train/batch.py, `share_prefix`, on by default)
+  ours-noshare  ours with share_prefix = 0: one padded sequence per sample, as TRL does
   ours-bf16     ours with TrainConfig(bf16=True) (bf16 weights, DeepSpeed bf16)
   trl           benchmarks/peers/trl_grpo.py in TRL's own venv: GRPOTrainer fed the same completions through its
                 rollout_func; its step timed without `_generate` (see that file)
@@ -124,57 +124,6 @@ def wait_for_turn() -> None:
         raise SystemExit("driver went away")
 
 
-class PlainLearner:
-    """PROTOTYPE: train/learner.py's Learner interface on plain torch (same peft LoRA, same torch AdamW, clipping
-    by torch), without the DeepSpeed engine: optimize() runs on it unchanged, so the difference is DeepSpeed's."""
-
-    def __init__(self, model_dir: Path, config):
-        import torch
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from lightning_otel.train.learner import LORA_TARGETS
-
-        self.config = config
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if config.bf16 else torch.float32)
-        model.config.use_cache = False
-        self.module = self.engine = get_peft_model(model, LoraConfig(
-            r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=LORA_TARGETS, lora_dropout=0.0,
-            task_type="CAUSAL_LM"))
-        torch.manual_seed(config.seed)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.trainable = sum(p.numel() for p in self.params)
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
-
-    def train_mode(self, on: bool) -> None:
-        self.module.train(on)
-
-    def logprobs(self, batch):
-        from lightning_otel.train.batch import completion_logprobs
-
-        return completion_logprobs(self.module, batch)
-
-    def reference_logprobs(self, batch):
-        import torch
-
-        with torch.no_grad(), self.module.disable_adapter():
-            return self.logprobs(batch)
-
-    def backward(self, loss, last_of_step: bool) -> None:
-        import torch
-
-        loss.backward()
-        if last_of_step:
-            torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def close(self) -> None:
-        pass
-
-
 def run_ours(args: argparse.Namespace) -> None:
     """Child: set up our Learner, report ready, then run one optimizer step each time the driver says so."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -185,9 +134,6 @@ def run_ours(args: argparse.Namespace) -> None:
     from lightning_otel.train.learner import Learner
     from lightning_otel.train.optimize import optimize
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import shared_prefix
-
     data = json.loads(Path(args.data).read_text())
     rows = []
     for i, prompt in enumerate(data["prompts"]):
@@ -197,20 +143,17 @@ def run_ours(args: argparse.Namespace) -> None:
                          "rollout_id": f"{i}-{k}"})
     config = TrainConfig(batch_size=len(rows), micro_batch=args.micro_batch, lr=1e-5, clip=0.2, kl=args.beta,
                          aggregation="sequence", grad_clip=1.0, lora_rank=16, lora_alpha=32,
-                         full_finetune=args.full_finetune, zero_stage=args.zero_stage, bf16=args.bf16, seed=args.seed)
-    learner = (PlainLearner if args.variant == "nods" else Learner)(Path(data["model_dir"]), config)
+                         full_finetune=args.full_finetune, zero_stage=args.zero_stage, bf16=args.bf16, seed=args.seed,
+                         share_prefix=0 if args.variant == "noshare" else TrainConfig.share_prefix)
+    learner = Learner(Path(data["model_dir"]), config)
     process = psutil.Process()
-    check = shared_prefix.check_logprobs(learner, rows) if args.variant == "prefix" else None
     report({"ready": True, "ready_rss_mb": process.memory_info().rss / 2**20, "trainable": learner.trainable,
-            "threads": torch.get_num_threads(), "prefix_logprob_max_diff": check})
+            "threads": torch.get_num_threads(), "share_prefix": config.share_prefix})
     for i in range(args.steps):
         wait_for_turn()
         wall, cpu = time.perf_counter(), time.process_time()
-        if args.variant == "prefix":
-            tokens, loss = shared_prefix.prefix_shared_step(learner, rows, config)
-        else:
-            stats = optimize(learner, rows, config, "grpo", seed=args.seed + i)
-            tokens, loss = stats.trained_tokens, stats.loss[0]
+        stats = optimize(learner, rows, config, "grpo", seed=args.seed + i)
+        tokens, loss = stats.trained_tokens, stats.loss[0]
         report({"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu, "tokens": tokens,
                 "loss": loss, "rss_mb": process.memory_info().rss / 2**20})
     learner.close()
@@ -276,9 +219,9 @@ def side_command(side: str, args: argparse.Namespace, data: Path, beta: float) -
     if name == "trl":
         flags = {"compact": "--compact-lm-head", "bf16": "--bf16", "defaults": "--trl-defaults"}
         return [args.trl_python, str(PEER), *[flags[o] for o in options], *common]
-    if name != "ours" or not set(options) <= {"prefix", "nods", "bf16"}:
+    if name != "ours" or not set(options) <= {"noshare", "bf16"}:
         raise SystemExit(f"unknown side {side!r}")
-    variant = next((o for o in options if o in ("prefix", "nods")), "optimize")
+    variant = "noshare" if "noshare" in options else "optimize"
     return [sys.executable, __file__, "--child", "ours", "--variant", variant, "--zero-stage", str(args.zero_stage),
             *(["--bf16"] if "bf16" in options else []), *common]
 
@@ -321,7 +264,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-python", help="python of the venv with trl (for the trl* sides)")
     parser.add_argument("--sides", nargs="+", default=["ours", "trl"],
-                        help="contenders: ours, ours-prefix, ours-nods, ours-bf16, trl, trl-compact, trl-bf16, "
+                        help="contenders: ours, ours-noshare, ours-bf16, trl, trl-compact, trl-bf16, "
                              "trl-defaults (default: ours trl)")
     parser.add_argument("--baseline", default="trl", help="the side ratios are taken against (default: trl)")
     parser.add_argument("--min-free-gb", type=float, default=6.0,
@@ -343,7 +286,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, help="folder for the batch JSON (reused when present)")
     parser.add_argument("--child", choices=["ours"], help=argparse.SUPPRESS)
-    parser.add_argument("--variant", choices=["optimize", "prefix", "nods"], default="optimize",
+    parser.add_argument("--variant", choices=["optimize", "noshare"], default="optimize",
                         help=argparse.SUPPRESS)
     parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)

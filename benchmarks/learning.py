@@ -42,7 +42,7 @@ def write(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def split(out: Path, eval_count: int, grpo_count: int) -> dict[str, Path]:
+def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None) -> dict[str, Path]:
     data = bundled_data_dir()
     dev = [json.loads(line) for line in (data / "dev.jsonl").read_text().splitlines() if line.strip()]
     train_rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines() if line.strip()]
@@ -53,6 +53,8 @@ def split(out: Path, eval_count: int, grpo_count: int) -> dict[str, Path]:
     grpo = trainable[::max(1, len(trainable) // grpo_count)][:grpo_count]
     grpo_ids = {r["id"] for r in grpo}
     sft = [r for r in trainable if r["id"] not in grpo_ids] + train_rows
+    if sft_count:  # spread over all training databases
+        sft = sft[::max(1, len(sft) // sft_count)][:sft_count]
     return {"eval": write(evaluation, out / "eval.jsonl"), "sft": write(sft, out / "sft.jsonl"),
             "grpo": write(grpo, out / "grpo.jsonl")}
 
@@ -66,11 +68,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tasks-per-round", type=int, default=8)
     parser.add_argument("-n", type=int, default=4)
+    parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT, spread evenly (default: all, ~1,400)")
     parser.add_argument("--sft-epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=5e-5, help="GRPO learning rate (LoRA)")
+    parser.add_argument("--sft-lr", type=float, default=2e-4)
+    parser.add_argument("--concurrency", type=int, default=2, help="agents running at once")
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    tasks = split(args.out, args.eval_tasks, args.grpo_tasks)
+    tasks = split(args.out, args.eval_tasks, args.grpo_tasks, args.sft_tasks)
     agent = agent_command(args.agent)
     python = default_engine_python()
     engine = VLLMEngine(EngineConfig(model_dir=resolve_model(None, python), python=python,
@@ -79,9 +85,15 @@ def main() -> None:
     results, timings = {}, {}
     try:
         def run_eval(label: str, model: str) -> None:
+            report = args.out / f"eval-{label}" / "summary.json"
+            if label == "base" and report.is_file():  # a rerun in the same folder: the base model has not changed
+                results[label] = json.loads(report.read_text())["accuracy"]["overall"]
+                print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
+                return
             began = time.perf_counter()
             summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=args.out / f"eval-{label}",
-                                          model=model, max_tokens=args.max_tokens, temperature=0.0),
+                                          model=model, max_tokens=args.max_tokens, temperature=0.0,
+                                          concurrency=args.concurrency),
                                engine=engine).summary
             results[label] = summary["accuracy"]["overall"]
             timings[f"eval {label}"] = time.perf_counter() - began
@@ -91,7 +103,8 @@ def main() -> None:
         settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(args.out / "run"),
                         n=args.n, tasks_per_round=args.tasks_per_round, max_tokens=args.max_tokens,
                         sft_tasks=str(tasks["sft"]), sft_label=SQL_LABEL, sft_epochs=args.sft_epochs,
-                        lr=2e-5, sft_lr=2e-4, batch_size=16, micro_batch=4)
+                        lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=4,
+                        concurrency=args.concurrency)
         began = time.perf_counter()
         train(TrainConfig(rounds=0, **settings), engine=engine)
         timings["sft"] = time.perf_counter() - began

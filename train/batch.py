@@ -3,9 +3,20 @@
 Sequences are prompt + completion, LEFT-padded so every completion ends at the last position: the model then
 only needs logits for the last T + 1 positions (`logits_to_keep`), not for the whole prompt. Completion
 tensors [B, T] are right-aligned the same way: sample b's c_b tokens sit in columns T - c_b .. T - 1.
+
+Shared prefix. The samples of a GRPO group start with the same prompt token for token (and the turns of one
+task share its system prompt and schema), so a micro-batch of such samples can run their common first P
+tokens once: `collate(..., prefix_len=P)` keeps them as `prefix_ids` [1, P] and the rest of each sequence
+(its tail) left-padded as above. `completion_logprobs` runs the prefix with the KV cache on, expands the
+cache to the B tails (a view, no copy) and runs the tails on top of it: the keys and values stay in the
+autograd graph, so the prefix's gradient is the sum over the tails that attend to it. Same log-probs and
+gradients as without sharing; P + sum(tails) positions instead of B * (P + tail). `plan_micro_batches`
+chooses the groups.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -22,19 +33,28 @@ class Batch:
     old_logp: torch.Tensor       # [B, T] float, sampling logprobs; NaN where none were recorded
     advantages: torch.Tensor     # [B] float
     rollout: torch.Tensor        # [B] long, index of the sample's rollout within the step
+    prefix_ids: torch.Tensor | None = None  # [1, P] long: tokens every sample starts with, run once
+    # With a prefix, input_ids and positions hold the tails only; attention covers prefix + tails: [B, P + L].
 
     @property
     def completion_width(self) -> int:
         return self.targets.shape[1]
 
 
-def collate(rows: list[dict], pad_id: int, rollout_index: dict[str, int] | None = None) -> Batch:
+def collate(rows: list[dict], pad_id: int, rollout_index: dict[str, int] | None = None,
+            prefix_len: int = 0) -> Batch:
     """rows: dicts with prompt_ids, completion_ids, completion_logprobs (may be empty or None),
-    loss_mask (None = all 1), advantage (None = 0), rollout_id."""
+    loss_mask (None = all 1), advantage (None = 0), rollout_id. With `prefix_len` P > 0, every row's prompt
+    must start with the same P tokens and be longer than P."""
     if not rows:
         raise ValueError("collate() needs at least one transition")
-    rollout_index = rollout_index or {}
-    lengths = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows]
+    rollout_index = rollout_index if rollout_index is not None else {}
+    prefix = list(rows[0]["prompt_ids"][:prefix_len])
+    if prefix_len and any(len(r["prompt_ids"]) <= prefix_len or list(r["prompt_ids"][:prefix_len]) != prefix
+                          for r in rows):
+        raise ValueError(f"collate(prefix_len={prefix_len}): every prompt must start with the same "
+                         f"{prefix_len} tokens and be longer")
+    lengths = [len(r["prompt_ids"]) - prefix_len + len(r["completion_ids"]) for r in rows]
     L, T = max(lengths), max(len(r["completion_ids"]) for r in rows)
     B = len(rows)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -43,7 +63,7 @@ def collate(rows: list[dict], pad_id: int, rollout_index: dict[str, int] | None 
     mask = torch.zeros((B, T), dtype=torch.float)
     old_logp = torch.full((B, T), math.nan, dtype=torch.float)
     for b, (row, n) in enumerate(zip(rows, lengths)):
-        sequence = list(row["prompt_ids"]) + list(row["completion_ids"])
+        sequence = list(row["prompt_ids"][prefix_len:]) + list(row["completion_ids"])
         input_ids[b, L - n:] = torch.tensor(sequence, dtype=torch.long)
         attention[b, L - n:] = 1
         c = len(row["completion_ids"])
@@ -55,17 +75,90 @@ def collate(rows: list[dict], pad_id: int, rollout_index: dict[str, int] | None 
         logprobs = row.get("completion_logprobs")
         if logprobs is not None and len(logprobs) == c:
             old_logp[b, T - c:] = torch.tensor([math.nan if v is None else v for v in logprobs], dtype=torch.float)
-    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0) + prefix_len
+    prefix_ids = None
+    if prefix_len:
+        prefix_ids = torch.tensor([prefix], dtype=torch.long)
+        attention = torch.cat([torch.ones((B, prefix_len), dtype=torch.long), attention], dim=1)
     advantages = torch.tensor([float(r.get("advantage") or 0.0) for r in rows], dtype=torch.float)
     rollout = torch.tensor([rollout_index.setdefault(r.get("rollout_id") or str(i), len(rollout_index))
                             for i, r in enumerate(rows)], dtype=torch.long)
-    return Batch(input_ids, attention, positions, targets, mask, old_logp, advantages, rollout)
+    return Batch(input_ids, attention, positions, targets, mask, old_logp, advantages, rollout, prefix_ids)
+
+
+def _common_prefix(a, b, limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit]):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def plan_micro_batches(rows: list[dict], micro_batch: int, min_shared: int = 16) -> list[tuple[list[int], int]]:
+    """Split rows into micro-batches of at most `micro_batch`: (row indices, shared prefix length).
+
+    Rows are ordered by prompt content so that rows with a common start sit together; a run of rows whose
+    prompts share at least `min_shared` tokens becomes one micro-batch with that prefix (kept one token short
+    of the shortest prompt, so each tail starts with the token that predicts its first completion token).
+    The rest are grouped by length, as without sharing, and get prefix length 0."""
+    order = sorted(range(len(rows)), key=lambda i: list(rows[i]["prompt_ids"]))
+    plans: list[tuple[list[int], int]] = []
+    alone: list[int] = []
+    run: list[int] = []
+    shared = 0
+
+    def close() -> None:
+        if len(run) > 1:
+            plans.append((run[:], shared))
+        else:
+            alone.extend(run)
+
+    for i in order:
+        prompt = rows[i]["prompt_ids"]
+        if run and len(run) < micro_batch:
+            last = rows[run[-1]]["prompt_ids"]
+            common = _common_prefix(last, prompt, min(shared, len(prompt) - 1))
+            if common >= min_shared:
+                run.append(i)
+                shared = common
+                continue
+        close()
+        run, shared = [i], len(prompt) - 1
+    if run:
+        close()
+    alone.sort(key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["completion_ids"]))
+    plans.extend((alone[s:s + micro_batch], 0) for s in range(0, len(alone), micro_batch))
+    return plans
+
+
+@functools.cache
+def _cache_argument() -> str:
+    """The keyword transformers' causal LMs take their KV cache by (renamed within transformers 5)."""
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, batch_size: int):
+    """Run the shared prefix once; its KV cache expanded (views) to `batch_size` sequences."""
+    from transformers import DynamicCache
+
+    head = model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
+    cache = getattr(head, "cache", None) or head.past_key_values
+    layers = [(layer.keys.expand(batch_size, -1, -1, -1), layer.values.expand(batch_size, -1, -1, -1))
+              for layer in cache.layers]
+    return DynamicCache(ddp_cache_data=layers)
 
 
 def completion_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """log p(target token | everything before it) for the completion positions: [B, T]."""
     T = batch.completion_width
+    cached = {}
+    if batch.prefix_ids is not None:
+        cached = {_cache_argument(): _prefix_cache(model, batch.prefix_ids, batch.input_ids.shape[0]),
+                  "use_cache": True}
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
-                logits_to_keep=T + 1, use_cache=False)
+                logits_to_keep=T + 1, **({"use_cache": False} | cached))
     logits = out.logits[:, :-1, :].float()  # position i predicts token i + 1: the last T targets
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from lightning_otel.train.batch import Batch, collate
+from lightning_otel.train.batch import Batch, collate, plan_micro_batches
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.learner import Learner
 from lightning_otel.train.losses import AGGREGATIONS, LossOutput, grpo_loss, sft_loss, token_weights
@@ -95,17 +95,20 @@ def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective:
 
 def _step(learner: Learner, rows: list[dict], config: TrainConfig, loss_fn: Objective, stats: StepStats) -> None:
     rollout_index: dict[str, int] = {}
-    # Sort by length inside the step so micro-batches pad little; weights do not depend on the order.
-    rows = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["completion_ids"]))
     full = collate(rows, learner.pad_id, rollout_index)
     scale = AGGREGATIONS[config.aggregation](full.mask.sum(dim=1), full.rollout)
-    chunks = range(0, len(rows), config.micro_batch)
+    # Micro-batches: rows sharing a prompt start run it once; the others grouped by length so they pad little.
+    # The token weights were fixed over the whole step above, so the grouping does not change the loss.
+    if config.share_prefix:
+        plans = plan_micro_batches(rows, config.micro_batch, config.share_prefix)
+    else:
+        by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["completion_ids"]))
+        plans = [(by_length[s:s + config.micro_batch], 0) for s in range(0, len(rows), config.micro_batch)]
     total = kl = 0.0
-    for i, start in enumerate(chunks):
-        part = rows[start:start + config.micro_batch]
-        batch = collate(part, learner.pad_id, rollout_index)
-        out = loss_fn(learner, batch, token_weights(batch.mask, scale[start:start + len(part)]), config)
-        learner.backward(out.loss, last_of_step=i == len(chunks) - 1)
+    for i, (indices, prefix_len) in enumerate(plans):
+        batch = collate([rows[j] for j in indices], learner.pad_id, rollout_index, prefix_len)
+        out = loss_fn(learner, batch, token_weights(batch.mask, scale[indices]), config)
+        learner.backward(out.loss, last_of_step=i == len(plans) - 1)
         total += float(out.loss.detach())  # weights sum to 1 over the step: the parts add up
         kl += out.kl
         stats.clip_fraction.append(out.clip_fraction)

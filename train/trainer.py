@@ -36,7 +36,8 @@ from lightning_otel.train.metrics import MetricsLog
 from lightning_otel.train.optimize import optimize
 
 log = logging.getLogger(__name__)
-RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url"}
+RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url",
+                     "share_prefix"}
 
 
 class RunFolder:
