@@ -151,7 +151,11 @@ def evaluate(config: EvalConfig, engine=None,
     if baseline is not None:
         summary["baseline"] = {"path": str(config.baseline), "label": baseline["policy"]["label"],
                                "comparison": comparison_rows(summary, baseline)}
-    summary["plots"] = write_plots(summary, baseline, config.report)
+    try:
+        summary["plots"] = write_plots(summary, baseline, config.report)
+    except Exception as exc:  # a plot must never cost the report of a finished evaluation
+        log.warning("plots not written (%s: %s); the report and summary.json still are", type(exc).__name__, exc)
+        summary["plots"], summary["plots_error"] = [], f"{type(exc).__name__}: {exc}"
     path = write_report(summary, config.report)
     log.info("report written to %s", path)
     return EvalResult(summary, path, rollout_ids)

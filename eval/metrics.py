@@ -118,7 +118,8 @@ def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]
     denominator = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, center - half), min(1.0, center + half)
+    # Exact at the ends (0 of n, n of n): rounding would leave the interval a hair off its own estimate.
+    return (0.0 if correct == 0 else max(0.0, center - half)), (1.0 if correct == n else min(1.0, center + half))
 
 
 def hardness_key(name: str) -> tuple[int, str]:

@@ -25,8 +25,10 @@ def plot_accuracy(summary: dict, baseline: dict | None, path: Path) -> Path:
     for i, (label, acc) in enumerate(series):
         entries = [acc["overall"] if level == "all" else acc["by_hardness"].get(level, {}) for level in levels]
         values = [100 * (e.get("accuracy") or 0.0) for e in entries]
-        errors = [[100 * ((e.get("accuracy") or 0.0) - e["ci95"][0]) if e.get("ci95") else 0.0 for e in entries],
-                  [100 * (e["ci95"][1] - (e.get("accuracy") or 0.0)) if e.get("ci95") else 0.0 for e in entries]]
+        errors = [[max(0.0, 100 * ((e.get("accuracy") or 0.0) - e["ci95"][0])) if e.get("ci95") else 0.0
+                   for e in entries],
+                  [max(0.0, 100 * (e["ci95"][1] - (e.get("accuracy") or 0.0))) if e.get("ci95") else 0.0
+                   for e in entries]]
         positions = [x + (i - (len(series) - 1) / 2) * width for x in range(len(levels))]
         bars = ax.bar(positions, values, width, yerr=errors, capsize=3, label=label)
         for bar, entry in zip(bars, entries):

@@ -332,6 +332,21 @@ def test_wilson_interval_on_hand_computed_values():
     # p = 0, n = 10: upper bound z^2/n / (1 + z^2/n) = 0.38416 / 1.38416 = 0.2775
     assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
     assert wilson_interval(0, 0) is None
+    # the ends are exact for every n (rounding once left 0 of 3 at 5.6e-17 and broke the plot's error bars)
+    assert all(wilson_interval(0, n)[0] == 0.0 and wilson_interval(n, n)[1] == 1.0 for n in range(1, 500))
+
+
+def test_the_accuracy_plot_draws_none_and_all_correct_levels(tmp_path):
+    from lightning_otel.eval.metrics import accuracy_entry
+    from lightning_otel.eval.plots import plot_accuracy
+
+    accuracy = {"overall": accuracy_entry(13, 13, 3), "by_hardness": {"easy": accuracy_entry(3, 3, 0),
+                                                                     "hard": accuracy_entry(10, 10, 3)}}
+    assert accuracy["by_hardness"]["easy"]["accuracy"] == 0.0
+    summary = {"policy": {"label": "base"}, "accuracy": accuracy}
+    path = plot_accuracy(summary, {"policy": {"label": "other"}, "accuracy": {
+        "overall": accuracy_entry(7, 7, 7), "by_hardness": {"easy": accuracy_entry(7, 7, 7)}}}, tmp_path / "a.png")
+    assert path.stat().st_size > 1000
 
 
 def test_failure_classes_from_status_output_and_re_execution():
