@@ -83,6 +83,13 @@ def main() -> None:
                                      log_path=args.out / "engine.log"))
     engine.start()
     results, timings = {}, {}
+    shown: dict[str, int] = {}
+
+    def progress(label: str, done: int, total: int) -> None:  # a line per tenth of each phase
+        if done == total or done * 10 // total != shown.get(label, -1):
+            shown[label] = done * 10 // total
+            print(f"{time.strftime('%H:%M:%S')} {label}: {done}/{total}", flush=True)
+
     try:
         def run_eval(label: str, model: str) -> None:
             report = args.out / f"eval-{label}" / "summary.json"
@@ -94,7 +101,8 @@ def main() -> None:
             summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=args.out / f"eval-{label}",
                                           model=model, max_tokens=args.max_tokens, temperature=0.0,
                                           concurrency=args.concurrency),
-                               engine=engine).summary
+                               engine=engine, progress=lambda _, done, total: progress(f"eval {label}", done, total)
+                               ).summary
             results[label] = summary["accuracy"]["overall"]
             timings[f"eval {label}"] = time.perf_counter() - began
             print(label, json.dumps(results[label]), flush=True)
@@ -106,11 +114,11 @@ def main() -> None:
                         lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=4,
                         concurrency=args.concurrency)
         began = time.perf_counter()
-        train(TrainConfig(rounds=0, **settings), engine=engine)
+        train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
         timings["sft"] = time.perf_counter() - began
         run_eval("sft", str(args.out / "run" / "checkpoints" / "sft"))
         began = time.perf_counter()
-        train(TrainConfig(rounds=args.rounds, **settings), engine=engine)
+        train(TrainConfig(rounds=args.rounds, **settings), engine=engine, progress=progress)
         timings["grpo"] = time.perf_counter() - began
         run_eval("sft+grpo", str(args.out / "run"))
     finally:

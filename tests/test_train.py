@@ -195,6 +195,39 @@ def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
     assert not (run / killed_at["last"] / "state").exists()  # round 1's optimizer state was dropped after round 2
 
 
+@pytest.mark.heavy
+def test_a_full_fine_tune_round_restarts_the_engine_on_the_new_weights(tmp_path):
+    """full_finetune: every weight trains and the engine (its own: it restarts) serves the saved model after."""
+    from safetensors.torch import load_file
+
+    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.model import bundled_model_dir
+
+    python = default_engine_python()
+    engine = VLLMEngine(EngineConfig(model_dir=bundled_model_dir(python), python=python, kv_cache_gib=1,
+                                     log_path=tmp_path / "engine.log"))
+    engine.start()
+    try:
+        config = small_config(tmp_path, full_finetune=True, n=2, tasks_per_round=2, batch_size=4, micro_batch=2,
+                              max_tokens=16, lr=1e-5)
+        with Trainer(config, engine=engine) as trainer:
+            state = trainer.run()
+        saved = Path(config.output_dir) / state["last"] / "model"
+        assert state["policy_version"] == 1 and (saved / "config.json").is_file()
+        assert Path(engine.config.model_dir) == saved and engine.policy_version == 1
+        result = engine.generate("/v1/chat/completions", {"messages": [{"role": "user", "content": "SELECT"}],
+                                                          "max_tokens": 4})
+        assert result["choices"][0]["token_ids"]  # the restarted engine answers on the trained weights
+        before = load_file(str(bundled_model_dir() / "model.safetensors"))
+        after = {}
+        for shard in saved.glob("*.safetensors"):
+            after.update(load_file(str(shard)))
+        changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
+        assert len(changed) > len(before) // 2, f"only {len(changed)} of {len(before)} tensors changed"
+    finally:
+        engine.stop()
+
+
 # ---- using the result ------------------------------------------------------------------------------------
 
 
