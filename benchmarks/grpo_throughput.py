@@ -237,6 +237,8 @@ def compare(sides: list[Side], warmup: int, baseline: str, clean: float) -> dict
         timed = side.steps[warmup:]
         quiet = [rate(s) for s in timed if s["foreign_cores"] < clean]
         return {"all": sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed),
+                # per CPU second of the contender itself: the work, whatever other jobs did meanwhile
+                "per_cpu_second": sum(s["tokens"] for s in timed) / sum(s["cpu_seconds"] for s in timed),
                 "clean_median": statistics.median(quiet) if quiet else None, "clean_steps": len(quiet),
                 "best": max(rate(s) for s in timed)}
 
@@ -252,6 +254,7 @@ def compare(sides: list[Side], warmup: int, baseline: str, clean: float) -> dict
             pairs = [rate(a) / rate(b) for a, b in zip(side.steps[warmup:], base.steps[warmup:])]
             entry[f"to_{baseline}"] = {
                 "all": mine["all"] / theirs["all"], "best": mine["best"] / theirs["best"],
+                "per_cpu_second": mine["per_cpu_second"] / theirs["per_cpu_second"],
                 "clean_median": mine["clean_median"] / theirs["clean_median"]
                 if mine["clean_median"] and theirs["clean_median"] else None,
                 "turn_ratio_median": statistics.median(pairs), "turn_ratios": [round(x, 3) for x in pairs],

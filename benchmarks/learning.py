@@ -22,6 +22,7 @@ from pathlib import Path
 from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.model import resolve_model
+from lightning_otel.policy import resolve_policy
 from lightning_otel.rewards import bundled_data_dir
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
@@ -93,10 +94,14 @@ def main() -> None:
     try:
         def run_eval(label: str, model: str) -> None:
             report = args.out / f"eval-{label}" / "summary.json"
-            if label == "base" and report.is_file():  # a rerun in the same folder: the base model has not changed
-                results[label] = json.loads(report.read_text())["accuracy"]["overall"]
-                print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
-                return
+            # A rerun in the same folder keeps an evaluation already finished for the same policy and tasks.
+            if report.is_file():
+                done = json.loads(report.read_text())
+                if done["policy"] == resolve_policy(model).to_dict() and done["tasks"] == len(
+                        tasks["eval"].read_text().splitlines()):
+                    results[label] = done["accuracy"]["overall"]
+                    print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
+                    return
             began = time.perf_counter()
             summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=args.out / f"eval-{label}",
                                           model=model, max_tokens=args.max_tokens, temperature=0.0,
