@@ -37,6 +37,30 @@ def test_micro_batches_hold_at_most_micro_batch_rows_and_short_overlaps_are_not_
     assert [p for indices, p in plans if 5 in indices] == [0]  # 10 common tokens < 16
 
 
+def test_a_token_budget_bounds_the_positions_of_every_micro_batch():
+    rng = random.Random(5)
+    rows = [row([rng.randrange(50, 60) for _ in range(rng.randrange(20, 400))], [1] * rng.randrange(1, 60), f"r{k}")
+            for k in range(40)]
+    rows += [row([7] * 300 + [k], [2] * 40, f"g{k}") for k in range(6)]  # a group sharing 300 tokens
+    rows.append(row([9] * 900, [3] * 10, "long"))  # alone over the budget: its own micro-batch
+
+    def positions(indices, shared):
+        return shared + len(indices) * max(len(rows[i]["prompt_ids"]) + len(rows[i]["completion_ids"]) - shared
+                                           for i in indices)
+
+    for min_shared in (16, 0):
+        plans = plan_micro_batches(rows, micro_batch=4, min_shared=min_shared, max_tokens=700)
+        assert sorted(i for indices, _ in plans for i in indices) == list(range(len(rows)))
+        assert all(len(indices) <= 4 for indices, _ in plans)
+        assert all(positions(indices, p) <= 700 for indices, p in plans if len(indices) > 1)
+        assert [len(indices) for indices, _ in plans if len(rows) - 1 in indices] == [1]
+    shared = [(sorted(indices), p) for indices, p in plan_micro_batches(rows, 4, 16, 700) if p]
+    # 300 + 4 x 41 = 464 positions fit: the group shares its prefix in micro-batches of up to 4
+    assert sorted(i for indices, _ in shared for i in indices) == list(range(40, 46)) and {p for _, p in shared} == {300}
+    unbounded = plan_micro_batches(rows, micro_batch=4, min_shared=0, max_tokens=0)
+    assert max(positions(indices, p) for indices, p in unbounded) > 700  # the budget is what kept them small
+
+
 def test_collate_refuses_a_prefix_the_rows_do_not_share():
     with pytest.raises(ValueError, match="same 3 tokens"):
         collate([row([1, 2, 3, 4], [5], "a"), row([1, 2, 9, 4], [5], "b")], 0, prefix_len=3)

@@ -95,40 +95,58 @@ def _common_prefix(a, b, limit: int) -> int:
     return n
 
 
-def plan_micro_batches(rows: list[dict], micro_batch: int, min_shared: int = 16) -> list[tuple[list[int], int]]:
-    """Split rows into micro-batches of at most `micro_batch`: (row indices, shared prefix length).
+def plan_micro_batches(rows: list[dict], micro_batch: int, min_shared: int = 16,
+                       max_tokens: int = 0) -> list[tuple[list[int], int]]:
+    """Split rows into micro-batches: (row indices, shared prefix length).
 
-    Rows are ordered by prompt content so that rows with a common start sit together; a run of rows whose
-    prompts share at least `min_shared` tokens becomes one micro-batch with that prefix (kept one token short
-    of the shortest prompt, so each tail starts with the token that predicts its first completion token).
-    The rest are grouped by length, as without sharing, and get prefix length 0."""
-    order = sorted(range(len(rows)), key=lambda i: list(rows[i]["prompt_ids"]))
+    A micro-batch holds at most `micro_batch` rows and, when `max_tokens` > 0, at most that many positions
+    through the model (rows x padded length; with a shared prefix, the prefix once plus rows x padded tail),
+    so that long prompts do not multiply the activation memory; a row longer than that goes alone.
+    With `min_shared` > 0, rows are ordered by prompt content so that rows with a common start sit together,
+    and a run of rows whose prompts share at least `min_shared` tokens becomes one micro-batch with that prefix
+    (kept one token short of the shortest prompt, so each tail starts with the token that predicts its first
+    completion token). The other rows are grouped by length, so they pad little, with prefix length 0."""
+    def length(i: int) -> int:
+        return len(rows[i]["prompt_ids"]) + len(rows[i]["completion_ids"])
+
+    def fits(members: list[int], shared: int) -> bool:
+        return len(members) <= micro_batch and (
+            not max_tokens or len(members) == 1 or shared + len(members) * max(length(i) - shared for i in members)
+            <= max_tokens)
+
     plans: list[tuple[list[int], int]] = []
     alone: list[int] = []
-    run: list[int] = []
-    shared = 0
+    if min_shared:
+        run: list[int] = []
+        shared = 0
 
-    def close() -> None:
-        if len(run) > 1:
-            plans.append((run[:], shared))
-        else:
-            alone.extend(run)
+        def close() -> None:
+            if len(run) > 1:
+                plans.append((run[:], shared))
+            else:
+                alone.extend(run)
 
-    for i in order:
-        prompt = rows[i]["prompt_ids"]
-        if run and len(run) < micro_batch:
-            last = rows[run[-1]]["prompt_ids"]
-            common = _common_prefix(last, prompt, min(shared, len(prompt) - 1))
-            if common >= min_shared:
-                run.append(i)
-                shared = common
-                continue
+        for i in sorted(range(len(rows)), key=lambda i: list(rows[i]["prompt_ids"])):
+            prompt = rows[i]["prompt_ids"]
+            if run:
+                common = _common_prefix(rows[run[-1]]["prompt_ids"], prompt, min(shared, len(prompt) - 1))
+                if common >= min_shared and fits(run + [i], common):
+                    run.append(i)
+                    shared = common
+                    continue
+                close()
+            run, shared = [i], len(prompt) - 1
         close()
-        run, shared = [i], len(prompt) - 1
-    if run:
-        close()
-    alone.sort(key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["completion_ids"]))
-    plans.extend((alone[s:s + micro_batch], 0) for s in range(0, len(alone), micro_batch))
+    else:
+        alone = list(range(len(rows)))
+    chunk: list[int] = []
+    for i in sorted(alone, key=length):
+        if chunk and not fits(chunk + [i], 0):
+            plans.append((chunk, 0))
+            chunk = []
+        chunk.append(i)
+    if chunk:
+        plans.append((chunk, 0))
     return plans
 
 

@@ -51,6 +51,7 @@ class TrainConfig:
     epochs: int = 1                   # passes over a round's transitions
     batch_size: int = 16              # transitions per optimizer step
     micro_batch: int = 4              # transitions per forward pass
+    micro_batch_tokens: int = 2048    # positions per forward pass, at most (0: no limit): bounds activation memory
     share_prefix: int = 16            # run a micro-batch's common prompt start once when >= this many tokens (0: off)
     max_length: int = 2048            # prompt + completion tokens; longer transitions are skipped and counted
     grad_clip: float = 1.0
@@ -83,6 +84,7 @@ class TrainConfig:
             (self.micro_batch >= 1 and self.batch_size >= self.micro_batch,
              "need batch_size >= micro_batch >= 1"),
             (self.share_prefix >= 0, "need share_prefix >= 0 (0 turns prefix sharing off)"),
+            (self.micro_batch_tokens >= 0, "need micro_batch_tokens >= 0 (0: no limit)"),
             (self.zero_stage in (0, 1, 2, 3), f"zero_stage = {self.zero_stage}: DeepSpeed ZeRO stages are 0-3"),
             (self.full_finetune or self.lora_rank >= 1, "lora_rank must be >= 1 (or set full_finetune = true)"),
             (self.epochs >= 1 and self.sft_epochs >= 0, "epochs must be >= 1 and sft_epochs >= 0"),

@@ -99,11 +99,7 @@ def _step(learner: Learner, rows: list[dict], config: TrainConfig, loss_fn: Obje
     scale = AGGREGATIONS[config.aggregation](full.mask.sum(dim=1), full.rollout)
     # Micro-batches: rows sharing a prompt start run it once; the others grouped by length so they pad little.
     # The token weights were fixed over the whole step above, so the grouping does not change the loss.
-    if config.share_prefix:
-        plans = plan_micro_batches(rows, config.micro_batch, config.share_prefix)
-    else:
-        by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["completion_ids"]))
-        plans = [(by_length[s:s + config.micro_batch], 0) for s in range(0, len(rows), config.micro_batch)]
+    plans = plan_micro_batches(rows, config.micro_batch, config.share_prefix, config.micro_batch_tokens)
     total = kl = 0.0
     for i, (indices, prefix_len) in enumerate(plans):
         batch = collate([rows[j] for j in indices], learner.pad_id, rollout_index, prefix_len)

@@ -37,7 +37,7 @@ from lightning_otel.train.optimize import optimize
 
 log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url",
-                     "share_prefix"}
+                     "share_prefix", "micro_batch_tokens"}
 
 
 class RunFolder:
