@@ -94,7 +94,8 @@ def main() -> None:
     try:
         def run_eval(label: str, model: str) -> None:
             report = args.out / f"eval-{label}" / "summary.json"
-            # A rerun in the same folder keeps an evaluation already finished for the same policy and tasks.
+            # A rerun in the same folder keeps an evaluation already finished for the same policy on as many
+            # tasks (the task file is rewritten from the same arguments, so the same questions).
             if report.is_file():
                 done = json.loads(report.read_text())
                 if done["policy"] == resolve_policy(model).to_dict() and done["tasks"] == len(
