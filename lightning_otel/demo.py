@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from lightning_otel.distro import ONLY_ENV
 from lightning_otel.errors import UserError
 from lightning_otel.rewards import bundled_data_dir
 
@@ -104,12 +106,19 @@ def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | Non
     folder.mkdir(parents=True)
     tasks = split_tasks(config, folder)
     agent = config.agent or example_agent()
+    if config.agent is None:
+        # The example agent is on the plain SDK: load only the openai instrumentation (the stock loader would
+        # import LangChain and every other installed framework into each agent process: seconds per rollout).
+        owned_env = _EnvDefault(ONLY_ENV, "openai")
+    else:
+        owned_env = _EnvDefault(ONLY_ENV, None)
     python = default_engine_python()
     timings: dict[str, float] = {}
     started = time.perf_counter()
     model_dir = resolve_model(None, python)
     timings["model"] = time.perf_counter() - started
     with ExitStack() as owned:
+        owned.enter_context(owned_env)
         started = time.perf_counter()
         engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=folder / "engine.log"))
         log.info("starting the vLLM engine (about a minute on CPU)")
@@ -132,11 +141,27 @@ def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | Non
             tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(folder / "run"),
             n=config.n, tasks_per_round=config.tasks_per_round, rounds=config.rounds, max_tokens=config.max_tokens,
             sft_tasks=str(tasks["sft"]), sft_label=SQL_LABEL, sft_epochs=config.sft_epochs, lr=2e-5, sft_lr=2e-4,
-            batch_size=16, micro_batch=2, lora_rank=16), engine=engine, progress=progress)
+            batch_size=16, micro_batch=8, lora_rank=16), engine=engine, progress=progress)
         timings["train"] = time.perf_counter() - began
         after = evaluation("after", str(folder / "run"), folder / "report-before")
     (folder / "timings.json").write_text(json.dumps(timings, indent=2))
     return {"folder": folder, "before": before, "after": after, "run": state, "timings": timings}
+
+
+class _EnvDefault:
+    """Set an environment variable for the agents this process starts, unless the user set it; restore after."""
+
+    def __init__(self, name: str, value: str | None):
+        self.name, self.value, self.set = name, value, False
+
+    def __enter__(self) -> None:
+        if self.value is not None and self.name not in os.environ:
+            os.environ[self.name] = self.value
+            self.set = True
+
+    def __exit__(self, *exc) -> None:
+        if self.set:
+            os.environ.pop(self.name, None)
 
 
 def comparison_table(before: dict, after: dict) -> str:

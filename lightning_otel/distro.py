@@ -6,6 +6,9 @@ logs exporters on), sends traces over OTLP/HTTP protobuf to the lightning-otel c
 (`LIGHTNING_OTEL_ENDPOINT`, default http://127.0.0.1:4318) besides any exporter the user configured,
 captures message content, copies `lightning.*` baggage onto spans, redacts content by pattern before
 anything leaves the process, and says on stderr when an installed instrumentor failed to load.
+`LIGHTNING_OTEL_INSTRUMENTATIONS=openai` (comma-separated entry-point names) loads only those
+instrumentations: the stock loader imports every installed one and the library it instruments, seconds per
+process for LangChain and CrewAI, which an agent on the plain SDK does not need.
 
 Every setting is an environment default: a variable the user set is never overwritten.
 This module is imported into agent processes: it must stay light (no duckdb, polars or torch).
@@ -29,6 +32,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 ENDPOINT_ENV = "LIGHTNING_OTEL_ENDPOINT"
 TOKEN_ENV = "LIGHTNING_OTEL_TOKEN"
 REDACT_ENV = "LIGHTNING_OTEL_REDACT"
+ONLY_ENV = "LIGHTNING_OTEL_INSTRUMENTATIONS"
+DISABLED_ENV = "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"
 DEFAULT_ENDPOINT = "http://127.0.0.1:4318"
 EXPORTER_NAME = "lightning"
 REDACTED = "[REDACTED]"
@@ -62,6 +67,16 @@ def apply_env_defaults(env: MutableMapping[str, str]) -> None:
     if EXPORTER_NAME not in names:
         names.append(EXPORTER_NAME)
     env["OTEL_TRACES_EXPORTER"] = ",".join(names)
+    only = [n.strip() for n in env.get(ONLY_ENV, "").split(",") if n.strip()]
+    if only and not env.get(DISABLED_ENV):
+        env[DISABLED_ENV] = ",".join(sorted(set(installed_instrumentations()) - set(only)))
+
+
+def installed_instrumentations() -> list[str]:
+    """Entry-point names of the installed OpenTelemetry instrumentors (what opentelemetry-instrument loads)."""
+    from importlib.metadata import entry_points
+
+    return [entry_point.name for entry_point in entry_points(group="opentelemetry_instrumentor")]
 
 
 def redaction_patterns(env: Mapping[str, str]) -> list[re.Pattern[str]]:
@@ -214,7 +229,7 @@ def failed_instrumentors() -> list[tuple[str, str]]:
 
     from packaging.requirements import InvalidRequirement, Requirement
 
-    disabled = {n.strip() for n in os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")}
+    disabled = {n.strip() for n in os.environ.get(DISABLED_ENV, "").split(",")}
     failed = []
     for entry_point in entry_points(group="opentelemetry_instrumentor"):
         if entry_point.name in disabled or "*" in disabled:

@@ -129,6 +129,9 @@ class VLLMEngine:
                 "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--enable-lora",
                 "--max-lora-rank", str(c.max_lora_rank), "--disable-log-stats",
+                # Record the logprobs of the distribution each token was sampled from (after temperature):
+                # the trainer computes its own at the same temperature (train/batch.completion_logprobs).
+                "--logprobs-mode", "processed_logprobs",
                 *(["--enable-sleep-mode"] if c.sleep_mode else []), *c.extra_args]
 
     def start(self) -> None:

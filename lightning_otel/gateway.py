@@ -52,6 +52,9 @@ class GatewayConfig:
     max_tokens_cap: int | None = None
     temperature: float | None = None
     max_n: int = 16
+    # Prompt collection (the SFT warm start needs only each agent's first prompt): calls of one rollout
+    # (its /r/<rollout_id>/ prefix) after this many are refused with a 400 that names the limit.
+    max_calls_per_rollout: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -116,6 +119,8 @@ class Gateway:
         self.port = self.server.server_address[1]
         self.url = f"http://{config.host}:{self.port}"
         self._thread: threading.Thread | None = None
+        self._calls: dict[str, int] = {}
+        self._calls_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.server.serve_forever, name="gateway-http", daemon=True)
@@ -133,6 +138,18 @@ class Gateway:
     def base_url(self, rollout_id: str | None = None) -> str:
         return f"{self.url}/r/{rollout_id}/v1" if rollout_id else f"{self.url}/v1"
 
+    def _count_call(self, rollout_id: str | None) -> None:
+        limit = self.config.max_calls_per_rollout
+        if limit is None or rollout_id is None:
+            return
+        with self._calls_lock:
+            made = self._calls.get(rollout_id, 0)
+            if made >= limit:
+                raise BadRequest(f"rollout {rollout_id} may make {limit} model call(s) here and this is call "
+                                 f"{made + 1}: this gateway only collects each agent's first prompt(s), "
+                                 "so the agent is expected to stop here")
+            self._calls[rollout_id] = made + 1
+
     def _apply_overrides(self, upstream: dict) -> None:
         cap = self.config.max_tokens_cap
         if cap is not None:
@@ -148,6 +165,7 @@ class Gateway:
 
     def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
         _check_chat(body, self.config.max_n)
+        self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
         tools = body.get("tools") or None
         upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "parallel_tool_calls")}
@@ -193,6 +211,7 @@ class Gateway:
         _check_common(body, self.config.max_n)
         if body.get("stream"):
             raise BadRequest("streaming is not supported on /v1/completions; use /v1/chat/completions", "stream")
+        self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
         upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         upstream.setdefault("max_tokens", self.config.default_max_tokens)

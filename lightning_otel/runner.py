@@ -63,6 +63,7 @@ class RolloutConfig:
     work_dir: Path | None = None
     max_tokens: int | None = None  # cap on every generation through the gateway
     temperature: float | None = None  # sampling temperature forced on every request through the gateway
+    max_calls: int | None = None  # model calls per rollout through the gateway; later ones are refused
 
     def __post_init__(self) -> None:
         self.tasks, self.db = Path(self.tasks), Path(self.db)
@@ -75,6 +76,8 @@ class RolloutConfig:
             raise UserError(f"--timeout {self.timeout_s} must be positive (seconds)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UserError(f"max_tokens {self.max_tokens} must be at least 1")
+        if self.max_calls is not None and self.max_calls < 1:
+            raise UserError(f"max_calls {self.max_calls} must be at least 1")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise UserError(f"temperature {self.temperature} must be in [0, 2]")
         if not self.agent.strip():
@@ -176,6 +179,15 @@ def resource_attributes(existing: str | None, extra: dict[str, str]) -> str:
     return ",".join(filter(None, [existing, ours]))
 
 
+def instrumented(instrument: str, argv: list[str]) -> list[str]:
+    """The command under opentelemetry-instrument, once: a command that already starts with it (as the README's
+    examples do) runs as given, since a second wrapper would load every instrumentation twice, once in the
+    inner wrapper's own Python process (seconds per rollout)."""
+    if Path(argv[0]).name == "opentelemetry-instrument":
+        return argv
+    return [instrument, *argv]
+
+
 def _die_with_runner() -> None:
     """In the child before exec: end when the runner ends, even by SIGKILL (Linux)."""
     if _PRCTL is not None:
@@ -270,7 +282,7 @@ class Runner:
         status, error_class, exit_code = "ok", None, None
         stdout = stderr = ""
         try:
-            proc = subprocess.Popen([self.instrument, *command], env=env, stdout=subprocess.PIPE,
+            proc = subprocess.Popen(instrumented(self.instrument, command), env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
                                     preexec_fn=_die_with_runner)
         except OSError as exc:
@@ -355,7 +367,8 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
         owned.callback(engine.stop)
     gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url, collector_token=collector_info.token,
                                             native_tools=template_renders_tools(engine.config.model_dir),
-                                            max_tokens_cap=config.max_tokens, temperature=config.temperature))
+                                            max_tokens_cap=config.max_tokens, temperature=config.temperature,
+                                            max_calls_per_rollout=config.max_calls))
     gateway.start()
     owned.callback(gateway.close)
     return gateway

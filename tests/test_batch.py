@@ -37,6 +37,28 @@ def test_micro_batches_hold_at_most_micro_batch_rows_and_short_overlaps_are_not_
     assert [p for indices, p in plans if 5 in indices] == [0]  # 10 common tokens < 16
 
 
+def test_steps_are_filled_with_rows_that_share_most_of_their_prompt():
+    from lightning_otel.train.optimize import epoch_order, prompt_groups
+
+    header = list(range(1000, 1030))  # 30 tokens every prompt starts with (an instruction), then a schema
+    schemas = {db: [db * 100 + k for k in range(200)] for db in (1, 2, 3)}
+    rows = [row(header + schemas[db] + [db, q], [q], f"{db}-{q}") for q in range(5) for db in (1, 2, 3)]
+    rows.append(row([9] * 40, [1], "lonely"))
+    groups = prompt_groups(rows, min_shared=16)
+    by_db = sorted(sorted(rows[i]["rollout_id"] for i in members) for members in groups)
+    assert by_db == [[f"{db}-{q}" for q in range(5)] for db in (1, 2, 3)] + [["lonely"]]  # not one big group
+    rng = random.Random(0)
+    orders = [epoch_order(rows, rng, groups) for _ in range(3)]
+    for order in orders:
+        assert sorted(r["rollout_id"] for r in order) == sorted(r["rollout_id"] for r in rows)
+        runs = [key for k, key in enumerate(r["rollout_id"][0] for r in order) if k == 0 or
+                key != order[k - 1]["rollout_id"][0]]
+        assert len(runs) == 4  # each group's rows sit together
+    assert len({tuple(r["rollout_id"] for r in order) for order in orders}) == 3  # reshuffled every epoch
+    plain = epoch_order(rows, random.Random(0), None)
+    assert sorted(r["rollout_id"] for r in plain) == sorted(r["rollout_id"] for r in rows)
+
+
 def test_a_token_budget_bounds_the_positions_of_every_micro_batch():
     rng = random.Random(5)
     rows = [row([rng.randrange(50, 60) for _ in range(rng.randrange(20, 400))], [1] * rng.randrange(1, 60), f"r{k}")

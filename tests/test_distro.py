@@ -190,3 +190,24 @@ def test_run_command_with_explicit_flags(make_collector, tmp_path, agent_script)
     missing = subprocess.run([str(BIN / "lightning-otel"), "run", "--", "no-such-command-xyz"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "command not found" in missing.stderr
+
+
+def test_an_allow_list_loads_only_the_named_instrumentations(collector, tmp_path):
+    installed = distro.installed_instrumentations()
+    assert {"openai", "langchain"} <= set(installed)  # both ship with the test environment
+    env = {"LIGHTNING_OTEL_INSTRUMENTATIONS": " openai "}
+    distro.apply_env_defaults(env)
+    assert env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] == ",".join(sorted(set(installed) - {"openai"}))
+    mine = {"LIGHTNING_OTEL_INSTRUMENTATIONS": "openai", "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "openai"}
+    distro.apply_env_defaults(mine)
+    assert mine["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] == "openai"  # the user's own list wins
+    script = tmp_path / "which.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from opentelemetry.instrumentation.openai import OpenAIInstrumentor
+        print(OpenAIInstrumentor().is_instrumented_by_opentelemetry, "langchain_core" in sys.modules)
+    """))
+    base = {"LIGHTNING_OTEL_ENDPOINT": collector.url}
+    assert run_instrumented(script, base).stdout.split() == ["True", "True"]
+    only = run_instrumented(script, {**base, "LIGHTNING_OTEL_INSTRUMENTATIONS": "openai"})
+    assert only.stdout.split() == ["True", "False"], only.stderr

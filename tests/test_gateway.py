@@ -175,3 +175,56 @@ def test_update_weights_hot_loads_a_lora_adapter(gateway, engine, db_path, tmp_p
         assert versions["policy_version"].to_list()[-2:] == [0, 1]
     finally:
         engine.use_base()
+
+
+def test_a_call_limit_per_rollout_refuses_later_calls_even_when_concurrent(engine, collector, db_path):
+    from lightning_otel.gateway import Gateway, GatewayConfig
+    limited = Gateway(engine, GatewayConfig(collector_url=collector.url, max_calls_per_rollout=2))
+    limited.start()
+    try:
+        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi."}]}
+        codes: list[int] = []
+
+        def call() -> None:
+            codes.append(_chat(limited.base_url("ro-limit").removesuffix("/v1"), body)[0])
+
+        threads = [threading.Thread(target=call) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(codes) == [200, 200, 400, 400, 400]
+        code, payload = _chat(limited.base_url("ro-limit").removesuffix("/v1"), body)
+        assert code == 400 and "may make 2 model call(s)" in payload["error"]["message"]
+        assert _chat(limited.base_url("ro-other").removesuffix("/v1"), body)[0] == 200  # its own count
+        assert all(_chat(limited.url, body)[0] == 200 for _ in range(3))  # no rollout prefix: no limit
+        limited.flush()
+        count = client.query("SELECT count(*) AS n FROM generations WHERE rollout_id = 'ro-limit'", db_path)
+        assert count["n"][0] == 2  # refused calls never reach the engine or the store
+    finally:
+        limited.close()
+
+
+def test_recorded_logprobs_are_those_of_the_tempered_distribution_the_learner_scores(gateway, db_path):
+    # vLLM runs with --logprobs-mode processed_logprobs: what it records at temperature 0.5 is log_softmax of
+    # logits / 0.5, which is what the learner computes with temperature 0.5 (and not what it computes at 1).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.train.batch import collate, completion_logprobs
+
+    code, _ = _chat(gateway.base_url("ro-tempered").removesuffix("/v1"),
+                    {"model": "m", "max_tokens": 24, "temperature": 0.5, "seed": 3,
+                     "messages": [{"role": "user", "content": "Write a SQL query that counts singers."}]})
+    assert code == 200
+    gateway.flush()
+    row = client.query("SELECT prompt_ids, completion_ids, completion_logprobs FROM generations "
+                       "WHERE rollout_id = 'ro-tempered'", db_path).to_dicts()[0]
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_dir(), torch_dtype=torch.float32).eval()
+    batch = collate([{"prompt_ids": row["prompt_ids"], "completion_ids": row["completion_ids"]}], 0)
+    recorded = torch.tensor(row["completion_logprobs"])
+    with torch.no_grad():
+        gaps = {t: float((completion_logprobs(model, batch, t)[0] - recorded).abs().mean()) for t in (0.5, 1.0)}
+    assert gaps[0.5] < 0.1, gaps  # bf16 engine vs fp32 learner: a few hundredths
+    assert gaps[1.0] > 3 * gaps[0.5], gaps

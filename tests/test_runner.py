@@ -13,7 +13,7 @@ import pytest
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.rewards import bundled_data_dir, database_path
-from lightning_otel.runner import RolloutConfig, load_tasks, resource_attributes, run_rollouts
+from lightning_otel.runner import RolloutConfig, instrumented, load_tasks, resource_attributes, run_rollouts
 from lightning_otel.span_store import client
 
 # Behaviour keyed on the question, so one script covers every outcome the runner must record.
@@ -195,3 +195,26 @@ def test_rollouts_through_the_gateway_are_token_exact(engine, db_path, tmp_path)
     groups = client.query("SELECT task_id, count(*) AS n, count(DISTINCT attempt) AS attempts FROM rollouts "
                           "GROUP BY 1", db_path).to_dicts()
     assert sorted((g["n"], g["attempts"]) for g in groups) == [(2, 2), (2, 2)]
+
+
+def test_a_command_already_under_opentelemetry_instrument_is_not_wrapped_twice(tmp_path, db_path):
+    # A second wrapper would run the user's own wrapper (a Python program) under the first one's sitecustomize:
+    # every instrumentation loaded twice, seconds per rollout. The user's "opentelemetry-instrument" here is a
+    # shell script that tells the agent whether the real one already ran (it puts its folder on PYTHONPATH).
+    wrapper = tmp_path / "bin" / "opentelemetry-instrument"
+    wrapper.parent.mkdir()
+    wrapper.write_text('#!/bin/sh\nexport OUTER="$(echo "$PYTHONPATH" | grep -c auto_instrumentation)"\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    agent = tmp_path / "agent.py"
+    agent.write_text("import os\nprint(os.environ.get('OUTER', 'no wrapper'), os.environ.get('PYTHONPATH', '')"
+                     ".count('auto_instrumentation'))\n")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "question": "q"}) + "\n")
+    outputs = {}
+    for command in (f"{sys.executable} {agent}", f"{wrapper} {sys.executable} {agent}"):
+        summary = run_rollouts(RolloutConfig(tasks=tasks, agent=command, n=1, db=db_path,
+                                             base_url="http://127.0.0.1:9/v1", timeout_s=30))
+        outputs[command.split()[0]] = summary.results[0].final_output
+    assert outputs == {sys.executable: "no wrapper 1", str(wrapper): "0 0"}
+    assert instrumented("/x/opentelemetry-instrument", ["python", "a.py"]) == \
+        ["/x/opentelemetry-instrument", "python", "a.py"]

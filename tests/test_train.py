@@ -66,6 +66,7 @@ def test_config_layers_defaults_file_and_key_values(tmp_path):
     (["bf16=maybe"], "is not true/false"),
     (["micro_batch_tokens=-1"], "micro_batch_tokens >= 0"),
     (["share_prefix=-2"], "share_prefix >= 0"),
+    (["temperature=0"], "rollouts must sample"),
 ])
 def test_bad_config_is_refused_with_what_to_do(args, message):
     with pytest.raises(UserError, match=None) as info:

@@ -169,8 +169,9 @@ def _prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, batch_size: 
     return DynamicCache(ddp_cache_data=layers)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """log p(target token | everything before it) for the completion positions: [B, T]."""
+def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target token | everything before it) for the completion positions: [B, T], under the model's
+    distribution at `temperature` (logits / T: the distribution rollouts sampled from)."""
     T = batch.completion_width
     cached = {}
     if batch.prefix_ids is not None:
@@ -179,4 +180,6 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
                 logits_to_keep=T + 1, **({"use_cache": False} | cached))
     logits = out.logits[:, :-1, :].float()  # position i predicts token i + 1: the last T targets
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)

@@ -36,7 +36,7 @@ class TrainConfig:
     rounds: int = 1
     concurrency: int = 2              # agents running at once
     max_tokens: int = 256             # cap on each generation during rollouts
-    temperature: float = 1.0          # sampling temperature forced on rollouts (logprobs are those of T = 1)
+    temperature: float = 1.0          # sampling temperature forced on rollouts; the GRPO loss uses the same (logits / T)
     agent_timeout_s: float = 300.0
     # credit (DESIGN §4)
     gamma: float = 1.0
@@ -53,6 +53,7 @@ class TrainConfig:
     micro_batch: int = 4              # transitions per forward pass
     micro_batch_tokens: int = 2048    # positions per forward pass, at most (0: no limit): bounds activation memory
     share_prefix: int = 16            # run a micro-batch's common prompt start once when >= this many tokens (0: off)
+    group_steps: bool = True          # fill each step with transitions sharing most of their prompt (with share_prefix)
     max_length: int = 2048            # prompt + completion tokens; longer transitions are skipped and counted
     grad_clip: float = 1.0
     lora_rank: int = 16
@@ -79,6 +80,8 @@ class TrainConfig:
             (self.lr > 0 and self.sft_lr > 0, "lr and sft_lr must be positive"),
             (0 < self.clip < 1, f"clip = {self.clip}: the PPO clip range must be in (0, 1)"),
             (self.kl >= 0, "kl must be >= 0"),
+            (0 < self.temperature <= 2, f"temperature = {self.temperature}: rollouts must sample (0 < T <= 2); "
+                                        "greedy decoding gives GRPO groups of identical answers"),
             (self.aggregation in AGGREGATIONS, f"aggregation = {self.aggregation!r}: choose one of "
                                                f"{sorted(AGGREGATIONS)}"),
             (self.micro_batch >= 1 and self.batch_size >= self.micro_batch,

@@ -106,15 +106,15 @@ class Learner:
     def train_mode(self, on: bool) -> None:
         self.engine.train(on)
 
-    def logprobs(self, batch: Batch) -> torch.Tensor:
-        return completion_logprobs(self.engine, batch)
+    def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        return completion_logprobs(self.engine, batch, temperature)
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+    def reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         if self.reference is not None:
-            return completion_logprobs(self.reference, batch)
+            return completion_logprobs(self.reference, batch, temperature)
         with self.module.disable_adapter():
-            return completion_logprobs(self.engine, batch)
+            return completion_logprobs(self.engine, batch, temperature)
 
     def backward(self, loss: torch.Tensor, last_of_step: bool) -> None:
         """Accumulate gradients; the optimizer steps after the last micro-batch of a step."""

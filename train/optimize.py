@@ -2,7 +2,10 @@
 
 Steps hold `batch_size` transitions, split into micro-batches of `micro_batch` for the forward pass. The
 token weights of a step are computed once over all its transitions (losses.AGGREGATIONS), so micro-batching
-does not change the loss. Transitions without sampling logprobs (re-tokenised ones) use the current policy's
+does not change the loss. With `group_steps` (and prefix sharing on), an epoch's order keeps transitions whose
+prompts share most of their tokens together (the samples and turns of one task; the SFT questions of one
+database, whose prompts are mostly its schema): the groups are shuffled and so are the members of each, then
+cut into steps, so that a step's micro-batches run those long common starts once instead of once per row. Transitions without sampling logprobs (re-tokenised ones) use the current policy's
 own logprobs as the old ones (ratio 1 at the first epoch).
 """
 from __future__ import annotations
@@ -50,9 +53,11 @@ Objective = Callable[[Learner, Batch, torch.Tensor, TrainConfig], LossOutput]
 
 
 def grpo_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
-    logp = learner.logprobs(batch)
+    # The policy is the distribution rollouts sampled from: logits / temperature (the engine records the
+    # logprobs of that same distribution). SFT below stays at temperature 1.
+    logp = learner.logprobs(batch, config.temperature)
     old = torch.where(torch.isnan(batch.old_logp), logp.detach(), batch.old_logp)
-    ref = learner.reference_logprobs(batch) if config.kl else None
+    ref = learner.reference_logprobs(batch, config.temperature) if config.kl else None
     return grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl, ref_logp=ref)
 
 
@@ -66,6 +71,44 @@ OBJECTIVES: dict[str, Objective] = {"grpo": grpo_objective, "sft": sft_objective
 def fits(row: dict, max_length: int) -> bool:
     return 0 < len(row["prompt_ids"]) and 0 < len(row["completion_ids"]) and \
         len(row["prompt_ids"]) + len(row["completion_ids"]) <= max_length
+
+
+def prompt_groups(rows: list[dict], min_shared: int) -> list[list[int]]:
+    """Row indices in groups whose prompts, in sorted order, each share with the previous one at least half
+    of the shorter prompt and at least `min_shared` tokens (a short common header alone does not count)."""
+    def common(a, b) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    order = sorted(range(len(rows)), key=lambda i: list(rows[i]["prompt_ids"]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            previous = rows[groups[-1][-1]]["prompt_ids"]
+            prompt = rows[i]["prompt_ids"]
+            shared = common(previous, prompt)
+            if shared >= max(min_shared, min(len(previous), len(prompt)) / 2):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def epoch_order(rows: list[dict], rng: random.Random,
+                groups: list[list[int]] | None) -> list[dict]:
+    if groups is None:
+        shuffled = rows[:]
+        rng.shuffle(shuffled)
+        return shuffled
+    mixed = [members[:] for members in groups]
+    for members in mixed:
+        rng.shuffle(members)
+    rng.shuffle(mixed)
+    return [rows[i] for members in mixed for i in members]
 
 
 def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective: str, seed: int,
@@ -82,9 +125,9 @@ def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective:
     total = epochs * math.ceil(len(usable) / config.batch_size)
     learner.train_mode(True)
     started = time.perf_counter()
+    groups = prompt_groups(usable, config.share_prefix) if config.group_steps and config.share_prefix else None
     for _ in range(epochs):
-        shuffled = usable[:]
-        order.shuffle(shuffled)
+        shuffled = epoch_order(usable, order, groups)
         for start in range(0, len(shuffled), config.batch_size):
             _step(learner, shuffled[start:start + config.batch_size], config, loss_fn, stats)
             if progress:

@@ -2,8 +2,9 @@
 
 The bundled 135M model answers prose to most SQL questions, so GRPO alone gets almost no signal from it.
 SFT first teaches it the answer format. The prompt of each labelled task is not guessed: the agent runs
-once per task through the gateway with generation capped at one token, and the first LLM call it makes is
-read back from the store (the exact prompt token ids, chat template and schema included). The target is the
+once per task through the gateway with generation capped at one token and every call after its first
+refused (the agent then stops, usually with an error, which is expected), and that first LLM call is read
+back from the store (the exact prompt token ids, chat template and schema included). The target is the
 task's label (`sft_label`, formatted from the task's fields, e.g. "{query}") followed by the end-of-turn
 token. This works for any agent whose first call asks for the answer; multi-turn agents learn their first
 turn.
@@ -57,7 +58,8 @@ def warm_start(trainer) -> dict:
     tasks = load_tasks(Path(c.sft_tasks))
     labels = {t.task_id: label_of(t.fields, c.sft_label, t.task_id) for t in tasks}
     started = time.perf_counter()
-    summary = trainer.rollouts(Path(c.sft_tasks), 1, "sft prompts", None, 1)
+    # One call per agent: the gateway refuses the rest, so a multi-turn agent stops after its first prompt.
+    summary = trainer.rollouts(Path(c.sft_tasks), 1, "sft prompts", None, 1, max_calls=1, reward=False)
     prompts = first_prompts(trainer.db, [r.rollout_id for r in summary.results])
     tokenizer = trainer.learner.tokenizer
     rows = [{"rollout_id": r.rollout_id, "prompt_ids": prompts[r.rollout_id],
