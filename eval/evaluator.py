@@ -88,7 +88,8 @@ def adapter_rank(adapter: Path) -> int:
 
 
 def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
-    """The engine serving `policy`: the one given (checked, switched to the policy, restored on exit), or
+    """The engine serving `policy`: the one given (switched to the policy; restarted on the policy's model
+    when it was started here on other weights; its policy restored on exit when it was not restarted), or
     one started here on the policy's base model."""
     from lightning_otel.engine import EngineConfig, EngineError, VLLMEngine, default_engine_python
 
@@ -101,17 +102,30 @@ def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
         engine.start()
         owned.callback(engine.stop)
     else:
+        wanted = policy.base_model.resolve()
+        if policy.merged is not None and Path(engine.config.model_dir).resolve() == policy.merged:
+            # The trainer left the engine on this checkpoint's merged weights: the same function as base +
+            # adapter, and faster to decode on CPU than LoRA.
+            engine.model_name, engine.policy_version = engine.base_name, policy.version
+            return engine
+        if Path(engine.config.model_dir).resolve() != wanted:
+            if Path(getattr(engine, "base_dir", engine.config.model_dir)).resolve() == wanted:
+                engine.use_base()  # a trainer moved it to merged weights (serve_merged): back to its base model
+            elif getattr(engine, "process", None) is not None:
+                log.info("restarting the engine on %s", wanted)
+                engine.load_model(policy.base_model, 0)
+            else:
+                raise UserError(f"the engine at {engine.url} serves {engine.config.model_dir}, but policy "
+                                f"{policy.label} needs model {policy.base_model}; let eval start its own engine")
         served = Path(engine.config.model_dir).resolve()
-        if served != policy.base_model.resolve():
-            raise UserError(f"the running engine serves {served}, but policy {policy.label} needs base model "
-                            f"{policy.base_model}; let eval start its own engine")
         if policy.adapter and adapter_rank(policy.adapter) > engine.config.max_lora_rank:
             raise UserError(f"adapter {policy.adapter} has rank {adapter_rank(policy.adapter)}, above the running "
                             f"engine's max_lora_rank {engine.config.max_lora_rank}")
         previous = (engine.model_name, engine.policy_version)
 
         def restore() -> None:
-            engine.model_name, engine.policy_version = previous
+            if Path(engine.config.model_dir).resolve() == served:
+                engine.model_name, engine.policy_version = previous
 
         owned.callback(restore)
     if policy.adapter is not None:
@@ -120,8 +134,8 @@ def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
         except EngineError as exc:
             raise UserError(f"the engine could not load the LoRA adapter {policy.adapter} as policy version "
                             f"{policy.version}: {exc}") from None
-    elif engine.policy_version != 0:
-        engine.use_base()
+    else:  # the weights the engine runs, as they are (no adapter)
+        engine.model_name, engine.policy_version = engine.base_name, policy.version
     return engine
 
 

@@ -40,12 +40,13 @@ class DemoConfig:
     quick: bool = False
     agent: str | None = None          # default: examples/openai_sql/agent.py under opentelemetry-instrument
     eval_tasks: int = 24
-    sft_tasks: int = 192
+    sft_tasks: int = 128
     sft_epochs: int = 2
     rounds: int = 2
     tasks_per_round: int = 8
     n: int = 4
-    max_tokens: int = 96
+    max_tokens: int = 64
+    temperature: float = 0.7          # GRPO sampling: at 1 the 135M model writes mostly broken SQL
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
@@ -69,8 +70,9 @@ def example_agent() -> str:
 
 
 def split_tasks(config: DemoConfig, folder: Path) -> dict[str, Path]:
-    """Held-out evaluation questions (spread over hardness levels), SFT questions and GRPO questions from
-    the other databases; written as task files in the run folder."""
+    """Held-out evaluation questions (spread over hardness levels), then GRPO and SFT questions from the other
+    databases; written as task files in the run folder. GRPO gets easy questions first: a group of samples
+    teaches only when some of them succeed, which the small model manages on easy questions."""
     rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines() if line.strip()]
     held = [r for r in rows if r["db_id"] in HELD_OUT]
     train = [r for r in rows if r["db_id"] not in HELD_OUT]
@@ -81,15 +83,16 @@ def split_tasks(config: DemoConfig, folder: Path) -> dict[str, Path]:
     for row in train:
         by_db.setdefault(row["db_id"], []).append(row)
     mixed = [row for group in zip(*by_db.values()) for row in group]
-    grpo_count = config.rounds * config.tasks_per_round
+    grpo_count = max(config.rounds * config.tasks_per_round, 1)
     if config.sft_tasks + grpo_count > len(mixed):
         raise UserError(f"demo: {config.sft_tasks} SFT + {grpo_count} GRPO tasks exceed the {len(mixed)} bundled ones")
-    files = {"eval": evaluation, "sft": mixed[:config.sft_tasks],
-             "grpo": mixed[config.sft_tasks:config.sft_tasks + max(grpo_count, 1)]}
+    grpo = sorted(mixed, key=lambda r: r.get("hardness") != "easy")[:grpo_count]  # stable: still interleaved
+    chosen = {r["id"] for r in grpo}
+    files = {"eval": evaluation, "sft": [r for r in mixed if r["id"] not in chosen][:config.sft_tasks], "grpo": grpo}
     paths = {}
-    for name, chosen in files.items():
+    for name, rows_of in files.items():
         paths[name] = folder / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps(r) + "\n" for r in chosen))
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows_of))
     return paths
 
 
@@ -141,7 +144,9 @@ def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | Non
             tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(folder / "run"),
             n=config.n, tasks_per_round=config.tasks_per_round, rounds=config.rounds, max_tokens=config.max_tokens,
             sft_tasks=str(tasks["sft"]), sft_label=SQL_LABEL, sft_epochs=config.sft_epochs, lr=2e-5, sft_lr=2e-4,
-            batch_size=16, micro_batch=8, lora_rank=16), engine=engine, progress=progress)
+            batch_size=16, micro_batch=8, lora_rank=16, temperature=config.temperature,
+            # a quick run would spend more on engine restarts than merged weights save
+            serve_merged=not config.quick), engine=engine, progress=progress)
         timings["train"] = time.perf_counter() - began
         after = evaluation("after", str(folder / "run"), folder / "report-before")
     (folder / "timings.json").write_text(json.dumps(timings, indent=2))

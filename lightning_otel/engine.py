@@ -122,6 +122,7 @@ class VLLMEngine:
         self.policy_version = 0
         self.model_name = self.base_name = SERVED_NAME
         self.process: subprocess.Popen | None = None
+        self.base_dir = Path(config.model_dir)  # what it started on; load_model() may serve other weights
 
     def command(self) -> list[str]:
         c = self.config
@@ -240,13 +241,19 @@ class VLLMEngine:
         if self.process is None:
             raise UserError("full weights can only be reloaded into an engine started here; with an outside "
                             "engine, train LoRA adapters (full_finetune = false)")
-        self.stop()
-        self.config.model_dir = Path(model_dir)
-        self.start()
+        if Path(model_dir).resolve() != Path(self.config.model_dir).resolve():
+            self.stop()
+            self.config.model_dir = Path(model_dir)
+            self.start()
         self.model_name, self.policy_version = self.base_name, version
 
     def use_base(self) -> None:
-        """Serve the base model again (adapters stay loaded in vLLM, unused)."""
+        """Serve the base model again (adapters stay loaded in vLLM, unused); an engine that load_model()
+        moved to other weights restarts on the model it started with."""
+        if self.process is not None and Path(self.config.model_dir).resolve() != self.base_dir.resolve():
+            self.stop()
+            self.config.model_dir = self.base_dir
+            self.start()
         self.model_name, self.policy_version = self.base_name, 0
 
     def sleep(self) -> None:

@@ -7,7 +7,8 @@ Accepted values, checked in this order:
 - `base` (or `bundled`): the bundled model, no adapter.
 - a training run folder (has `run.json`): the checkpoint named by run.json's `best` key, else `last`
   (a path relative to the run folder, e.g. "checkpoints/round-0003"), resolved as below.
-- a checkpoint folder with `adapter/`: that LoRA adapter; with `model/`: that full model folder.
+- a checkpoint folder with `adapter/`: that LoRA adapter (and its `merged/` copy when the trainer wrote one,
+  which an engine already running on it serves as is); with `model/`: that full model folder.
 - a PEFT LoRA adapter folder (has `adapter_config.json`). Its base model is the `model` key of the
   nearest run.json above it (up to three levels: adapter -> checkpoint -> checkpoints -> run), else the
   adapter config's `base_model_name_or_path` when that is a local model folder, else the bundled model.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_otel.errors import UserError
@@ -38,6 +39,9 @@ class Policy:
     version: int = 0            # policy version to serve it as: 0 = base, else the version the trainer gave the
                                 # checkpoint (its policy.json), else the checkpoint's round (or 1)
     run_dir: Path | None = None  # the training run it came from (its metrics.jsonl feeds reports)
+    merged: Path | None = None   # the checkpoint's merged/ copy (serve_merged): base + adapter as full weights,
+                                 # served instead of the adapter by an engine already running on it
+
 
     def to_dict(self) -> dict:
         return {"base_model": str(self.base_model), "adapter": str(self.adapter) if self.adapter else None,
@@ -87,7 +91,9 @@ def _from_folder(path: Path, python: str | None, run_dir: Path | None, label: st
     version = _recorded_version(path) or _round_of(path) or \
         (_round_of(path.parent) if path.name in ("adapter", "model") else 0)
     if (path / "adapter").is_dir():
-        return _from_adapter(path / "adapter", python, run_dir, label, version)
+        policy = _from_adapter(path / "adapter", python, run_dir, label, version)
+        merged = path / "merged"
+        return replace(policy, merged=merged.resolve()) if (merged / "config.json").is_file() else policy
     if (path / "adapter_config.json").is_file():
         return _from_adapter(path, python, run_dir, label, version)
     if (path / "model").is_dir():

@@ -36,13 +36,18 @@ def export_policy(spec: str, out: Path, merge: bool = False, python: str | None 
     if not merge:
         shutil.copytree(policy.adapter, out, dirs_exist_ok=True)
         return out
+    return merge_adapter(policy.base_model, policy.adapter, out)
+
+
+def merge_adapter(base_model: Path, adapter: Path, out: Path) -> Path:
+    """A full model folder: the base model with the LoRA adapter merged into its weights, and its tokenizer."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = AutoModelForCausalLM.from_pretrained(policy.base_model)
-    merged = PeftModel.from_pretrained(base, policy.adapter).merge_and_unload()
+    base = AutoModelForCausalLM.from_pretrained(base_model)
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(policy.base_model).save_pretrained(out)
+    AutoTokenizer.from_pretrained(base_model).save_pretrained(out)
     return out
 
 

@@ -231,6 +231,58 @@ def test_a_full_fine_tune_round_restarts_the_engine_on_the_new_weights(tmp_path)
         engine.stop()
 
 
+@pytest.mark.heavy
+def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_back_to_the_base(tmp_path):
+    """serve_merged: after each round the engine (its own: it restarts) serves base + adapter merged; the
+    previous round's merged copy is dropped, its adapter kept; eval on the run brings the engine back to the
+    base model with the adapter hot-loaded."""
+    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.eval import EvalConfig, evaluate
+    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.span_store import client
+
+    python = default_engine_python()
+    base = bundled_model_dir(python)
+    engine = VLLMEngine(EngineConfig(model_dir=base, python=python, kv_cache_gib=1, log_path=tmp_path / "engine.log"))
+    engine.start()
+    try:
+        config = small_config(tmp_path, serve_merged=True, rounds=2, n=2, tasks_per_round=2, batch_size=4,
+                              micro_batch=2, max_tokens=16, temperature=0.7)
+        with Trainer(config, engine=engine) as trainer:
+            state = trainer.run()
+        run = Path(config.output_dir)
+        assert state["policy_version"] == 2
+        assert Path(engine.config.model_dir) == run / state["last"] / "merged" and engine.policy_version == 2
+        assert not (run / "checkpoints" / "round-0001" / "merged").exists()  # a serving copy, dropped
+        assert (run / "checkpoints" / "round-0001" / "adapter" / "adapter_config.json").is_file()
+        versions = client.query("SELECT policy_version, count(*) AS n FROM generations GROUP BY 1 ORDER BY 1",
+                                run / "traces.duckdb")["policy_version"].to_list()
+        assert versions == [0, 1]  # round 2 sampled from the merged round-1 policy
+        merged = run / state["last"] / "merged"
+
+        def evaluated(model: str, name: str) -> tuple[dict, list[int]]:
+            summary = evaluate(EvalConfig(tasks=Path(config.tasks), agent=AGENT, report=tmp_path / name, model=model,
+                                          max_tokens=8, temperature=0.0), engine=engine).summary
+            versions = client.query("SELECT DISTINCT policy_version FROM generations",
+                                    tmp_path / name / "traces.duckdb")["policy_version"].to_list()
+            return summary, versions
+
+        # The run's checkpoint, with the engine still on its merged copy: served as is, no restart.
+        summary, versions = evaluated(str(run), "report-run")
+        assert summary["rollouts"] == 4 and versions == [2]
+        assert summary["policy"]["adapter"] == str((run / state["last"] / "adapter").resolve())
+        assert Path(engine.config.model_dir) == merged
+        # The base model: the engine goes back to what it started on.
+        summary, versions = evaluated("base", "report-base")
+        assert Path(engine.config.model_dir).resolve() == base.resolve() and versions == [0]
+        # A model folder it does not run: it restarts on it.
+        summary, versions = evaluated(str(merged), "report-merged")
+        assert Path(engine.config.model_dir).resolve() == merged.resolve()
+        assert summary["policy"]["adapter"] is None and versions == [2]
+    finally:
+        engine.stop()
+
+
 # ---- using the result ------------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ import torch
 
 from lightning_otel.errors import UserError
 from lightning_otel.runner import RolloutConfig, Task, load_tasks, run_rollouts
+from lightning_otel.serving import merge_adapter
 from lightning_otel.train.compile import CompileConfig, compile_transitions
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
@@ -138,7 +139,8 @@ class Trainer:
     @property
     def engine(self):
         if self._engine is not None and getattr(self._engine, "config", None) is not None and \
-                Path(self._engine.config.model_dir).resolve() != Path(self.model_dir).resolve():
+                Path(getattr(self._engine, "base_dir", self._engine.config.model_dir)).resolve() != \
+                Path(self.model_dir).resolve():
             raise UserError(f"the given engine serves {self._engine.config.model_dir}, but this run trains "
                             f"{self.model_dir}; give an engine on the same base model")
         if self._engine is None:
@@ -160,6 +162,11 @@ class Trainer:
     def _serve(self, checkpoint: Path, version: int) -> None:
         if self.config.full_finetune:
             self.engine.load_model(checkpoint / "model", version)
+        elif self.config.serve_merged:
+            merged = checkpoint / "merged"
+            if not (merged / "config.json").is_file():
+                merge_adapter(self.model_dir, checkpoint / "adapter", merged)
+            self.engine.load_model(merged, version)
         else:
             self.engine.update_weights(checkpoint / "adapter", version)
 
@@ -224,6 +231,7 @@ class Trainer:
         self.metrics.write(record)
         if previous and previous != state["last"]:
             shutil.rmtree(self.folder.path / previous / "state", ignore_errors=True)
+            shutil.rmtree(self.folder.path / previous / "merged", ignore_errors=True)  # a serving copy only
 
     def train_round(self, r: int, state: dict) -> dict:
         c = self.config
