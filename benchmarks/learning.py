@@ -107,6 +107,9 @@ def main() -> None:
                     print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
                     return
             began = time.perf_counter()
+            policy = resolve_policy(model)
+            if policy.adapter is None and policy.version:  # merged weights: the engine restarts on them
+                engine.load_model(policy.base_model, policy.version)
             summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=args.out / f"eval-{label}",
                                           model=model, max_tokens=args.max_tokens, temperature=0.0,
                                           concurrency=args.concurrency),

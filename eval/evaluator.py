@@ -88,9 +88,9 @@ def adapter_rank(adapter: Path) -> int:
 
 
 def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
-    """The engine serving `policy`: the one given (switched to the policy; restarted on the policy's model
-    when it was started here on other weights; its policy restored on exit when it was not restarted), or
-    one started here on the policy's base model."""
+    """The engine serving `policy`: the one given (switched to the policy, back on its own base model when a
+    trainer left it on merged weights, its policy restored on exit), or one started here on the policy's
+    base model."""
     from lightning_otel.engine import EngineConfig, EngineError, VLLMEngine, default_engine_python
 
     if engine is None:
@@ -108,16 +108,13 @@ def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
             # adapter, and faster to decode on CPU than LoRA.
             engine.model_name, engine.policy_version = engine.base_name, policy.version
             return engine
-        if Path(engine.config.model_dir).resolve() != wanted:
-            if Path(getattr(engine, "base_dir", engine.config.model_dir)).resolve() == wanted:
-                engine.use_base()  # a trainer moved it to merged weights (serve_merged): back to its base model
-            elif getattr(engine, "process", None) is not None:
-                log.info("restarting the engine on %s", wanted)
-                engine.load_model(policy.base_model, 0)
-            else:
-                raise UserError(f"the engine at {engine.url} serves {engine.config.model_dir}, but policy "
-                                f"{policy.label} needs model {policy.base_model}; let eval start its own engine")
+        if Path(engine.config.model_dir).resolve() != wanted and \
+                Path(getattr(engine, "base_dir", engine.config.model_dir)).resolve() == wanted:
+            engine.use_base()  # a trainer moved it to merged weights (serve_merged): back to its base model
         served = Path(engine.config.model_dir).resolve()
+        if served != wanted:
+            raise UserError(f"the running engine serves {served}, but policy {policy.label} needs model "
+                            f"{policy.base_model}; let eval start its own engine (or load_model() it first)")
         if policy.adapter and adapter_rank(policy.adapter) > engine.config.max_lora_rank:
             raise UserError(f"adapter {policy.adapter} has rank {adapter_rank(policy.adapter)}, above the running "
                             f"engine's max_lora_rank {engine.config.max_lora_rank}")

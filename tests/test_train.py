@@ -275,7 +275,10 @@ def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_
         # The base model: the engine goes back to what it started on.
         summary, versions = evaluated("base", "report-base")
         assert Path(engine.config.model_dir).resolve() == base.resolve() and versions == [0]
-        # A model folder it does not run: it restarts on it.
+        # A model folder it does not run: refused, unless loaded first.
+        with pytest.raises(UserError, match="let eval start its own engine"):
+            evaluated(str(merged), "report-refused")
+        engine.load_model(merged, 0)
         summary, versions = evaluated(str(merged), "report-merged")
         assert Path(engine.config.model_dir).resolve() == merged.resolve()
         assert summary["policy"]["adapter"] is None and versions == [2]
