@@ -5,7 +5,9 @@
 Three policies, evaluated greedily by the project's own `eval` on the same held-out questions:
   base        the bundled SmolLM2-135M as shipped;
   SFT only    after the SFT warm start on labelled questions of the training databases (train.jsonl and the
-              dev databases not held out), prompts taken from the agent's own first call;
+              dev databases not held out): the gateway walks the agent along each question's labelled path
+              (DEMONSTRATIONS: for the LangGraph agent the gold query, then the reviewer's "THE QUERY IS
+              CORRECT"), and every call on it is trained on its label;
   SFT + GRPO  the same run continued for --rounds GRPO rounds with the multi-turn agent (the run resumes
               after its SFT checkpoint, so both arms share the warm start exactly).
 Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out databases are the dev
@@ -31,6 +33,8 @@ from lightning_otel.train.trainer import train
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("singer", "poker_player", "tvshow")
 SQL_LABEL = "```sql\n{query}\n```"
+# The answers to each agent's successive calls on a labelled question; agents not named answer the query only.
+DEMONSTRATIONS = {"sql_agent": [SQL_LABEL, "THE QUERY IS CORRECT"]}
 
 
 def agent_command(name: str) -> str:
@@ -97,17 +101,17 @@ def main() -> None:
     try:
         def run_eval(label: str, model: str) -> None:
             report = args.out / f"eval-{label}" / "summary.json"
+            policy = resolve_policy(model)
             # A rerun in the same folder keeps an evaluation already finished for the same policy on as many
             # tasks (the task file is rewritten from the same arguments, so the same questions).
             if report.is_file():
                 done = json.loads(report.read_text())
-                if done["policy"] == resolve_policy(model).to_dict() and done["tasks"] == len(
+                if done["policy"] == policy.to_dict() and done["tasks"] == len(
                         tasks["eval"].read_text().splitlines()):
                     results[label] = done["accuracy"]["overall"]
                     print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
                     return
             began = time.perf_counter()
-            policy = resolve_policy(model)
             if policy.adapter is None and policy.version:  # merged weights: the engine restarts on them
                 engine.load_model(policy.base_model, policy.version)
             summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=args.out / f"eval-{label}",
@@ -122,7 +126,8 @@ def main() -> None:
         run_eval("base", "base")
         settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(args.out / "run"),
                         n=args.n, tasks_per_round=args.tasks_per_round, max_tokens=args.max_tokens,
-                        sft_tasks=str(tasks["sft"]), sft_label=SQL_LABEL, sft_epochs=args.sft_epochs,
+                        sft_tasks=str(tasks["sft"]), sft_label=DEMONSTRATIONS.get(args.agent, [SQL_LABEL]),
+                        sft_epochs=args.sft_epochs,
                         lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=8,
                         concurrency=args.concurrency, temperature=args.temperature, serve_merged=True)
         began = time.perf_counter()

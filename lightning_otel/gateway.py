@@ -8,6 +8,11 @@ scripts that hard-code `gpt-4o` run unchanged. Streaming is served from the fini
 chunk per token. Tools: the model's tool-call syntax (Hermes style by default) is parsed into OpenAI
 `tool_calls`; when the model's chat template cannot render tools, tools and tool messages are rendered
 into the prompt in that same syntax.
+
+Scripted rollouts (`script()`): the calls of one rollout are answered, in order, with given texts instead of
+samples, so an agent can be walked along a labelled path (the SFT warm start's demonstrations). The engine
+still sees each prompt (generating one token), so the recorded prompt ids are exact; the record carries the
+answer as `lightning.scripted.answer` and no completion ids.
 """
 from __future__ import annotations
 
@@ -120,6 +125,7 @@ class Gateway:
         self.url = f"http://{config.host}:{self.port}"
         self._thread: threading.Thread | None = None
         self._calls: dict[str, int] = {}
+        self._scripts: dict[str, list[str]] = {}
         self._calls_lock = threading.Lock()
 
     def start(self) -> None:
@@ -138,20 +144,37 @@ class Gateway:
     def base_url(self, rollout_id: str | None = None) -> str:
         return f"{self.url}/r/{rollout_id}/v1" if rollout_id else f"{self.url}/v1"
 
-    def _count_call(self, rollout_id: str | None) -> None:
-        limit = self.config.max_calls_per_rollout
-        if limit is None or rollout_id is None:
-            return
+    def script(self, rollout_id: str, answers: list[str] | None) -> None:
+        """Answer the rollout's calls with `answers`, in order, and refuse the calls after them; None forgets
+        the rollout (its script and its call count)."""
         with self._calls_lock:
-            made = self._calls.get(rollout_id, 0)
-            if made >= limit:
-                raise BadRequest(f"rollout {rollout_id} may make {limit} model call(s) here and this is call "
-                                 f"{made + 1}: this gateway only collects each agent's first prompt(s), "
-                                 "so the agent is expected to stop here")
-            self._calls[rollout_id] = made + 1
+            if answers is None:
+                self._scripts.pop(rollout_id, None)
+                self._calls.pop(rollout_id, None)
+            else:
+                self._scripts[rollout_id] = [str(a) for a in answers]
 
-    def _apply_overrides(self, upstream: dict) -> None:
-        cap = self.config.max_tokens_cap
+    def _count_call(self, rollout_id: str | None) -> str | None:
+        """Count the rollout's call against its limit; the scripted answer for it, if the rollout has one."""
+        if rollout_id is None:
+            return None
+        with self._calls_lock:
+            script = self._scripts.get(rollout_id)
+            limits = [x for x in (self.config.max_calls_per_rollout, None if script is None else len(script))
+                      if x is not None]
+            if not limits:
+                return None
+            made, limit = self._calls.get(rollout_id, 0), min(limits)
+            if made >= limit:
+                what = ("answers scripted for it" if script is not None and limit == len(script)
+                        else "this gateway only collects each agent's first prompt(s)")
+                raise BadRequest(f"rollout {rollout_id} may make {limit} model call(s) here and this is call "
+                                 f"{made + 1}: {what}, so the agent is expected to stop here")
+            self._calls[rollout_id] = made + 1
+            return None if script is None else script[made]
+
+    def _apply_overrides(self, upstream: dict, scripted: str | None = None) -> None:
+        cap = 1 if scripted is not None else self.config.max_tokens_cap  # a scripted call needs the prompt only
         if cap is not None:
             for key in ("max_tokens", "max_completion_tokens"):
                 if upstream.get(key) is not None:
@@ -165,7 +188,7 @@ class Gateway:
 
     def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
         _check_chat(body, self.config.max_n)
-        self._count_call(rollout_id)
+        scripted = self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
         tools = body.get("tools") or None
         upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "parallel_tool_calls")}
@@ -175,7 +198,7 @@ class Gateway:
             upstream.pop("tool_choice", None)
         if upstream.get("max_tokens") is None and upstream.get("max_completion_tokens") is None:
             upstream["max_tokens"] = self.config.default_max_tokens
-        self._apply_overrides(upstream)
+        self._apply_overrides(upstream, scripted)
         started = time.time_ns()
         result = self.engine.generate("/v1/chat/completions", upstream)
         ended = time.time_ns()
@@ -183,6 +206,8 @@ class Gateway:
         choices = []
         for choice in result.get("choices", []):
             content = (choice.get("message") or {}).get("content") or ""
+            if scripted is not None:
+                content, choice = scripted, {**choice, "finish_reason": "stop", "token_ids": [], "logprobs": None}
             parsed = self.format.parse(content, tools_offered=bool(tools))
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             finish = choice.get("finish_reason")
@@ -194,10 +219,11 @@ class Gateway:
                    "logprobs": choice.get("logprobs") if body.get("logprobs") else None}
             choices.append(out)
             self._record(headers, rollout_id, requested_model, result.get("id"), out["index"], prompt_ids,
-                         choice.get("token_ids") or [], token_logprobs, started, ended)
+                         choice.get("token_ids") or [], token_logprobs, started, ended, scripted)
+        pieces = [[scripted] if scripted is not None else _pieces(c) for c in result.get("choices", [])]
         return {"id": result.get("id") or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": requested_model, "choices": choices,
-                "usage": _usage(result), "_token_pieces": [_pieces(c) for c in result.get("choices", [])]}
+                "usage": _usage(result), "_token_pieces": pieces}
 
     # ---- legacy completions ----------------------------------------------------------------------------
 
@@ -211,11 +237,11 @@ class Gateway:
         _check_common(body, self.config.max_n)
         if body.get("stream"):
             raise BadRequest("streaming is not supported on /v1/completions; use /v1/chat/completions", "stream")
-        self._count_call(rollout_id)
+        scripted = self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
         upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         upstream.setdefault("max_tokens", self.config.default_max_tokens)
-        self._apply_overrides(upstream)
+        self._apply_overrides(upstream, scripted)
         started = time.time_ns()
         result = self.engine.generate("/v1/completions", upstream)
         ended = time.time_ns()
@@ -223,16 +249,19 @@ class Gateway:
         for choice in result.get("choices", []):
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
             index = choice.get("index", len(choices))
+            if scripted is not None:
+                choice, logprobs = {**choice, "text": scripted, "finish_reason": "stop", "token_ids": []}, []
             choices.append({"index": index, "text": choice.get("text", ""), "finish_reason": choice.get("finish_reason"),
                             "logprobs": None})
             self._record(headers, rollout_id, requested_model, result.get("id"), index,
-                         choice.get("prompt_token_ids") or [], choice.get("token_ids") or [], logprobs, started, ended)
+                         choice.get("prompt_token_ids") or [], choice.get("token_ids") or [], logprobs, started, ended,
+                         scripted)
         return {"id": result.get("id"), "object": "text_completion", "created": int(time.time()),
                 "model": requested_model, "choices": choices, "usage": _usage(result)}
 
     def _record(self, headers: dict[str, str], rollout_id: str | None, requested_model: str, response_id: Any,
                 index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started: int,
-                ended: int) -> None:
+                ended: int, scripted: str | None = None) -> None:
         attributes = {
             "lightning.policy.version": self.engine.policy_version, "lightning.engine": self.engine.name,
             "gen_ai.request.model": requested_model, "lightning.choice.index": index,
@@ -243,6 +272,8 @@ class Gateway:
             attributes["gen_ai.response.id"] = str(response_id)
         if rollout_id:
             attributes["lightning.rollout.id"] = rollout_id
+        if scripted is not None:
+            attributes["lightning.scripted.answer"] = scripted
         span = self.tracer.start_span(GENERATE_SPAN, context=extract(headers), kind=SpanKind.SERVER,
                                       start_time=started, attributes=attributes)
         span.end(end_time=ended)

@@ -42,7 +42,6 @@ class Policy:
     merged: Path | None = None   # the checkpoint's merged/ copy (serve_merged): base + adapter as full weights,
                                  # served instead of the adapter by an engine already running on it
 
-
     def to_dict(self) -> dict:
         return {"base_model": str(self.base_model), "adapter": str(self.adapter) if self.adapter else None,
                 "label": self.label, "version": self.version,

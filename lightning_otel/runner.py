@@ -14,6 +14,10 @@ database, so model-written SQL cannot damage shared files. Every rollout ends as
 (ok, failed, timeout or error) with its exit code, output tails and final output line; the reward
 function, if any, then scores it into `rewards`. Problems with the inputs are reported before any
 rollout starts.
+
+Scripted answers (`answers`, through the gateway only): call i of every rollout is answered with template i
+formatted from the task's fields (str.format), and calls past the last template are refused: the agent walks a
+labelled path, and its prompts along it are recorded (the SFT warm start's demonstrations).
 """
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ class RolloutConfig:
     max_tokens: int | None = None  # cap on every generation through the gateway
     temperature: float | None = None  # sampling temperature forced on every request through the gateway
     max_calls: int | None = None  # model calls per rollout through the gateway; later ones are refused
+    answers: list[str] | None = None  # scripted answers, one template per model call (module docstring)
 
     def __post_init__(self) -> None:
         self.tasks, self.db = Path(self.tasks), Path(self.db)
@@ -78,6 +83,11 @@ class RolloutConfig:
             raise UserError(f"max_tokens {self.max_tokens} must be at least 1")
         if self.max_calls is not None and self.max_calls < 1:
             raise UserError(f"max_calls {self.max_calls} must be at least 1")
+        if self.answers is not None:
+            if not self.answers or not all(isinstance(a, str) for a in self.answers):
+                raise UserError(f"answers {self.answers!r}: give a non-empty list of texts, one per model call")
+            if self.base_url is not None:
+                raise UserError("scripted answers are given by the gateway: leave out --base-url")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise UserError(f"temperature {self.temperature} must be in [0, 2]")
         if not self.agent.strip():
@@ -166,7 +176,19 @@ def check_inputs(config: RolloutConfig, tasks: list[Task]) -> list[str]:
             source = database_path(config.data_dir, str(db_id))
             if not source.is_file():
                 raise UserError(f"{config.tasks}:{task.line}: database {source} does not exist; check --data-dir")
+        for template in config.answers or ():
+            format_answer(template, task)
     return argv
+
+
+def format_answer(template: str, task: Task) -> str:
+    try:
+        return template.format_map(task.fields)
+    except KeyError as exc:
+        raise UserError(f"answer {template!r} needs field {exc} which task {task.task_id!r} does not have") from None
+    except (ValueError, IndexError) as exc:
+        raise UserError(f"answer {template!r} is not a str.format template ({exc}); write literal braces "
+                        "as {{ and }}") from None
 
 
 def fill_placeholders(argv: list[str], values: dict[str, str]) -> list[str]:
@@ -203,8 +225,10 @@ except (OSError, AttributeError):
 class Runner:
     def __init__(self, config: RolloutConfig, collector_url: str, collector_token: str | None,
                  write_records: Callable[[str, list[dict]], int], spans_of: Callable[[str], list[dict]],
-                 base_url_for: Callable[[str], str], policy_version: int = 0):
+                 base_url_for: Callable[[str], str], policy_version: int = 0,
+                 script: Callable[[str, list[str] | None], None] | None = None):
         self.config = config
+        self.script = script
         self.base_url_for = base_url_for
         self.policy_version = policy_version
         self.collector_url = collector_url
@@ -252,7 +276,14 @@ class Runner:
             if source.is_file():
                 values["db_path"] = str(shutil.copy(source, folder / source.name))
         command = fill_placeholders(argv, values)
-        result = self._execute(command, self._environment(rollout_id, task, attempt), rollout_id, task, attempt)
+        scripted = self.config.answers is not None and self.script is not None
+        if scripted:
+            self.script(rollout_id, [format_answer(a, task) for a in self.config.answers])
+        try:
+            result = self._execute(command, self._environment(rollout_id, task, attempt), rollout_id, task, attempt)
+        finally:
+            if scripted:
+                self.script(rollout_id, None)
         self.write_records("rollout_runs", [{k: v for k, v in asdict(result).items() if k != "reward"}])
         if self.reward_fn is not None:
             result.reward = self._score(result, task)
@@ -335,21 +366,21 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
             collector.start()
             owned.callback(collector.close)
             info = collector.info
-        policy_version = 0
+        policy_version, script = 0, None
         if config.base_url is not None:
             def base_url_for(rollout_id: str) -> str:
                 return config.base_url  # type: ignore[return-value]
         else:
             gateway = start_gateway(config, info, engine, owned)
             policy_version = gateway.engine.policy_version
-            base_url_for = gateway.base_url
+            base_url_for, script = gateway.base_url, gateway.script
 
         def spans_of(rollout_id: str) -> list[dict]:
             return client.query(f"SELECT * FROM spans WHERE rollout_id = {client.sql_literal(rollout_id)} "
                                 "ORDER BY start_ns", config.db).to_dicts()
 
         runner = Runner(config, info.url, info.token, lambda table, rows: client.write_records(config.db, table, rows),
-                        spans_of, base_url_for, policy_version)
+                        spans_of, base_url_for, policy_version, script)
         return runner.run(tasks, argv, progress)
 
 

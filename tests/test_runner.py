@@ -218,3 +218,57 @@ def test_a_command_already_under_opentelemetry_instrument_is_not_wrapped_twice(t
     assert outputs == {sys.executable: "no wrapper 1", str(wrapper): "0 0"}
     assert instrumented("/x/opentelemetry-instrument", ["python", "a.py"]) == \
         ["/x/opentelemetry-instrument", "python", "a.py"]
+
+
+def test_scripted_answers_walk_a_multi_turn_agent_along_its_labelled_path(engine, db_path, tmp_path):
+    # The streaming plain-SDK example asks for a fix when its query fails: a script of (failing query, gold
+    # query) makes it take exactly two calls, the second prompt carrying the first answer and its error.
+    from transformers import AutoTokenizer
+
+    from lightning_otel.train.sft import call_prompts, demonstration_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(engine.config.model_dir)  # the learner's tokenizer
+    tasks = tmp_path / "tasks.jsonl"
+    rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines()
+            if json.loads(line)["db_id"] == "singer"][:2]
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    agent = Path(__file__).resolve().parent.parent / "examples" / "openai_sql" / "agent.py"
+    answers = ["```sql\nSELECT no_such_column FROM singer\n```", "```sql\n{query}\n```"]
+    summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}} "
+                                         "--db {db_path}", n=1, concurrency=2, db=db_path, reward="spider_exec",
+                                         timeout_s=120, answers=answers), engine=engine)
+    assert [r.status for r in summary.results] == ["ok", "ok"]
+    assert [r.reward for r in summary.results] == [1.0, 1.0]  # the agent's final SQL is the scripted gold
+    records = client.query("SELECT g.rollout_id, completion_ids, json_extract_string(s.attributes, "
+                           "'$.\"lightning.scripted.answer\"') AS answer FROM generations g JOIN spans s "
+                           "USING (trace_id, span_id) ORDER BY g.start_ns", db_path).to_dicts()
+    assert len(records) == 4 and all(r["completion_ids"] == [] for r in records)
+    assert sorted(r["answer"] for r in records) == sorted([answers[0]] * 2 + [f"```sql\n{t['query']}\n```"
+                                                                            for t in rows])
+    prompts = call_prompts(db_path, [r.rollout_id for r in summary.results])
+    by_id = {t.task_id: t for t in load_tasks(tasks)}
+    demos, short = demonstration_rows(summary.results, by_id, answers, prompts, tokenizer)
+    assert short == 0 and [d["turn"] for d in demos] == [0, 1, 0, 1]
+    for result, first, second in zip(summary.results, demos[::2], demos[1::2]):
+        fix_prompt = tokenizer.decode(second["prompt_ids"])
+        assert "no_such_column" in fix_prompt and "no such column" in fix_prompt  # answer 1 and its error
+        assert tokenizer.decode(first["completion_ids"], skip_special_tokens=True) == answers[0]
+        assert tokenizer.decode(second["completion_ids"], skip_special_tokens=True) == \
+            f"```sql\n{by_id[result.task_id].fields['query']}\n```"
+    # A third call would be refused: a script of one answer stops the agent after its first call.
+    one = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}} "
+                                     "--db {db_path}", n=1, db=db_path, timeout_s=120, answers=answers[:1]),
+                       engine=engine)
+    assert all("may make 1 model call(s)" in r.stderr_tail for r in one.results)
+
+
+def test_scripted_answers_that_do_not_fit_the_tasks_fail_before_any_rollout(setup, db_path):
+    agent_script, tasks = setup
+    with pytest.raises(UserError, match="needs field 'nope'"):
+        run_rollouts(config(agent_script, tasks, db_path, base_url=None, answers=["{nope}"]))
+    with pytest.raises(UserError, match="literal braces"):
+        run_rollouts(config(agent_script, tasks, db_path, base_url=None, answers=["SELECT '{'"]))
+    with pytest.raises(UserError, match="non-empty list"):
+        config(agent_script, tasks, db_path, base_url=None, answers=[])
+    with pytest.raises(UserError, match="leave out --base-url"):
+        config(agent_script, tasks, db_path, answers=["{query}"])

@@ -86,7 +86,8 @@ def collate(rows: list[dict], pad_id: int, rollout_index: dict[str, int] | None 
     return Batch(input_ids, attention, positions, targets, mask, old_logp, advantages, rollout, prefix_ids)
 
 
-def _common_prefix(a, b, limit: int) -> int:
+def common_prefix(a, b, limit: int | None = None) -> int:
+    """How many leading tokens a and b share (looking at the first `limit` only, when given)."""
     n = 0
     for x, y in zip(a[:limit], b[:limit]):
         if x != y:
@@ -129,7 +130,7 @@ def plan_micro_batches(rows: list[dict], micro_batch: int, min_shared: int = 16,
         for i in sorted(range(len(rows)), key=lambda i: list(rows[i]["prompt_ids"])):
             prompt = rows[i]["prompt_ids"]
             if run:
-                common = _common_prefix(rows[run[-1]]["prompt_ids"], prompt, min(shared, len(prompt) - 1))
+                common = common_prefix(rows[run[-1]]["prompt_ids"], prompt, min(shared, len(prompt) - 1))
                 if common >= min_shared and fits(run + [i], common):
                     run.append(i)
                     shared = common

@@ -8,6 +8,7 @@ Later sources win: defaults < TOML file < key=value. The resolved config is prin
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,8 @@ class TrainConfig:
     seed: int = 0
     # SFT warm start (before round 1): labelled tasks and/or successful trajectories from a store
     sft_tasks: str = ""               # JSONL tasks with a label field; their prompts come from the agent itself
-    sft_label: str = "{query}"        # the target completion, formatted from the task's fields
+    sft_label: str | list[str] = "{query}"  # the target completion, formatted from the task's fields; a list:
+                                      # the answers to the agent's successive calls (train/sft.py)
     sft_epochs: int = 1
     sft_lr: float = 1e-4
     # validation
@@ -95,6 +97,9 @@ class TrainConfig:
             (self.epochs >= 1 and self.sft_epochs >= 0, "epochs must be >= 1 and sft_epochs >= 0"),
             (self.max_tokens >= 1 and self.max_length > self.max_tokens, "need max_length > max_tokens >= 1"),
             (self.val_every >= 1, "val_every must be >= 1"),
+            (isinstance(self.sft_label, str) or (isinstance(self.sft_label, list) and self.sft_label and all(
+                isinstance(x, str) for x in self.sft_label)),
+             f"sft_label = {self.sft_label!r}: give a text, or a non-empty list of texts (one per agent call)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -112,13 +117,20 @@ def render_toml(config: TrainConfig) -> str:
             text = "true" if value else "false"
         elif isinstance(value, (int, float)):
             text = repr(value)
-        else:
-            text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:  # JSON strings (and lists of them) are TOML basic strings (and arrays): newlines escaped
+            text = json.dumps(value)
         lines.append(f"{f.name} = {text}")
     return "\n".join(lines) + "\n"
 
 
 def _coerce(name: str, kind: Any, raw: Any) -> Any:
+    if kind == "str | list[str]":  # a TOML array, or `key=[...]` as JSON, or a plain text
+        if isinstance(raw, str) and raw.lstrip().startswith("["):
+            try:
+                return json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"train config: {name} = {raw!r} is not a JSON list of texts ({exc})") from None
+        return raw
     kind = {"str": str, "int": int, "float": float, "bool": bool}.get(kind, kind) if isinstance(kind, str) else kind
     if kind is bool:
         if isinstance(raw, bool):

@@ -5,8 +5,9 @@ token weights of a step are computed once over all its transitions (losses.AGGRE
 does not change the loss. With `group_steps` (and prefix sharing on), an epoch's order keeps transitions whose
 prompts share most of their tokens together (the samples and turns of one task; the SFT questions of one
 database, whose prompts are mostly its schema): the groups are shuffled and so are the members of each, then
-cut into steps, so that a step's micro-batches run those long common starts once instead of once per row. Transitions without sampling logprobs (re-tokenised ones) use the current policy's
-own logprobs as the old ones (ratio 1 at the first epoch).
+cut into steps, so that a step's micro-batches run those long common starts once instead of once per row.
+Transitions without sampling logprobs (re-tokenised ones) use the current policy's own logprobs as the old
+ones (ratio 1 at the first epoch).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from lightning_otel.train.batch import Batch, collate, plan_micro_batches
+from lightning_otel.train.batch import Batch, collate, common_prefix, plan_micro_batches
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.learner import Learner
 from lightning_otel.train.losses import AGGREGATIONS, LossOutput, grpo_loss, sft_loss, token_weights
@@ -76,21 +77,13 @@ def fits(row: dict, max_length: int) -> bool:
 def prompt_groups(rows: list[dict], min_shared: int) -> list[list[int]]:
     """Row indices in groups whose prompts, in sorted order, each share with the previous one at least half
     of the shorter prompt and at least `min_shared` tokens (a short common header alone does not count)."""
-    def common(a, b) -> int:
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return n
-
     order = sorted(range(len(rows)), key=lambda i: list(rows[i]["prompt_ids"]))
     groups: list[list[int]] = []
     for i in order:
         if groups:
             previous = rows[groups[-1][-1]]["prompt_ids"]
             prompt = rows[i]["prompt_ids"]
-            shared = common(previous, prompt)
+            shared = common_prefix(previous, prompt)
             if shared >= max(min_shared, min(len(previous), len(prompt)) / 2):
                 groups[-1].append(i)
                 continue

@@ -173,13 +173,13 @@ class Trainer:
     # ---- rollouts ----------------------------------------------------------------------------------------
 
     def rollouts(self, tasks_file: Path, n: int, label: str, temperature: float | None, max_tokens: int,
-                 max_calls: int | None = None, reward: bool = True):
+                 max_calls: int | None = None, reward: bool = True, answers: list[str] | None = None):
         c = self.config
         config = RolloutConfig(tasks=tasks_file, agent=c.agent, n=n, concurrency=c.concurrency, db=self.db,
                                reward=c.reward if reward else None,
                                data_dir=Path(c.data_dir) if c.data_dir else None,
                                timeout_s=c.agent_timeout_s, max_tokens=max_tokens, temperature=temperature,
-                               work_dir=self.folder.path / "work", max_calls=max_calls)
+                               work_dir=self.folder.path / "work", max_calls=max_calls, answers=answers)
         return run_rollouts(config, lambda result, done, total: self.progress(label, done, total), engine=self.engine)
 
     # ---- the run -----------------------------------------------------------------------------------------
