@@ -205,6 +205,32 @@ def test_a_call_limit_per_rollout_refuses_later_calls_even_when_concurrent(engin
         limited.close()
 
 
+def test_a_scripted_rollout_gets_its_answers_in_order_on_both_routes_then_refusals(gateway, db_path, tokenizer):
+    prefix = gateway.base_url("ro-script").removesuffix("/v1")
+    gateway.script("ro-script", ["SELECT 1", "THE QUERY IS CORRECT"])
+    body = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "How many singers?"}]}
+    code, payload = _chat(prefix, body)
+    assert code == 200 and payload["choices"][0]["message"]["content"] == "SELECT 1"
+    assert payload["choices"][0]["finish_reason"] == "stop"
+    status, _, raw = post(prefix + "/v1/completions", json.dumps({"prompt": "Review: SELECT 1", "max_tokens": 9})
+                          .encode(), "application/json")
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == "THE QUERY IS CORRECT"
+    code, payload = _chat(prefix, body)
+    assert code == 400 and "answers scripted for it" in payload["error"]["message"]
+    assert _chat(gateway.base_url("ro-free").removesuffix("/v1"), body)[0] == 200  # other rollouts sample
+    gateway.flush()
+    records = client.query("SELECT g.prompt_ids, g.completion_ids, json_extract_string(s.attributes, "
+                           "'$.\"lightning.scripted.answer\"') AS answer FROM generations g JOIN spans s "
+                           "USING (trace_id, span_id) WHERE g.rollout_id = 'ro-script' ORDER BY g.start_ns",
+                           db_path).to_dicts()
+    assert [r["answer"] for r in records] == ["SELECT 1", "THE QUERY IS CORRECT"]
+    assert all(r["completion_ids"] == [] for r in records)  # nothing sampled is recorded as the policy's
+    assert "How many singers?" in tokenizer.decode(records[0]["prompt_ids"])
+    assert "Review: SELECT 1" in tokenizer.decode(records[1]["prompt_ids"])
+    gateway.script("ro-script", None)  # forgotten: its calls sample again, uncounted
+    assert _chat(prefix, body)[0] == 200
+
+
 def test_recorded_logprobs_are_those_of_the_tempered_distribution_the_learner_scores(gateway, db_path):
     # vLLM runs with --logprobs-mode processed_logprobs: what it records at temperature 0.5 is log_softmax of
     # logits / 0.5, which is what the learner computes with temperature 0.5 (and not what it computes at 1).

@@ -67,11 +67,22 @@ def test_config_layers_defaults_file_and_key_values(tmp_path):
     (["micro_batch_tokens=-1"], "micro_batch_tokens >= 0"),
     (["share_prefix=-2"], "share_prefix >= 0"),
     (["temperature=0"], "rollouts must sample"),
+    (['sft_label=["{query}", 3]'], "a non-empty list of texts"),
+    (["sft_label=[nope"], "is not a JSON list of texts"),
 ])
 def test_bad_config_is_refused_with_what_to_do(args, message):
     with pytest.raises(UserError, match=None) as info:
         load_config(None, args)
     assert message in str(info.value)
+
+
+def test_an_sft_label_per_agent_call_survives_key_values_and_the_saved_toml(tmp_path):
+    config = load_config(None, ['sft_label=["```sql\\n{query}\\n```", "THE QUERY IS CORRECT"]',
+                                'agents=say "hi"\nthere'])
+    assert config.sft_label == ["```sql\n{query}\n```", "THE QUERY IS CORRECT"]
+    config.save(tmp_path / "saved.toml")  # newlines and quotes in strings stay valid TOML
+    assert load_config(tmp_path / "saved.toml") == config
+    assert load_config(None, ["sft_label={query}"]).sft_label == "{query}"
 
 
 def test_round_tasks_cover_every_task_once_per_epoch_and_depend_only_on_seed_and_round(tmp_path):
