@@ -25,7 +25,8 @@ from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_pytho
 from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.model import resolve_model
 from lightning_otel.policy import resolve_policy
-from lightning_otel.rewards import bundled_data_dir
+from lightning_otel.rewards import bundled_data_dir, spider_exec
+from lightning_otel.span_store import client
 from lightning_otel.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
@@ -41,6 +42,22 @@ def agent_command(name: str) -> str:
     bin_dir = Path(sys.executable).parent
     return (f"{bin_dir / 'opentelemetry-instrument'} {sys.executable} {REPO / 'examples' / name / 'agent.py'} "
             "--question {question} --db {db_path}")
+
+
+FIRST_ANSWERS = """
+SELECT r.task_id, t.fields, r.final_output,
+       arg_min(json_extract_string(l.output_messages, '$[0].parts[0].content'), l.start_ns) AS first_answer
+FROM rollouts r JOIN tasks t USING (task_id) JOIN llm_calls l USING (rollout_id) GROUP BY ALL
+"""
+
+
+def first_answer_accuracy(store: Path) -> dict:
+    """Diagnostic: how many episodes the agent's first answer would have won, against its final answer
+    (a multi-turn agent's later turns can repair or spoil its first query)."""
+    rows = client.query(FIRST_ANSWERS, store).to_dicts()
+    first = sum(spider_exec(json.loads(r["fields"]), {"final_output": r["first_answer"]}) or 0 for r in rows)
+    final = sum(spider_exec(json.loads(r["fields"]), {"final_output": r["final_output"]}) or 0 for r in rows)
+    return {"episodes": len(rows), "first_answer_correct": int(first), "final_answer_correct": int(final)}
 
 
 def write(rows: list[dict], path: Path) -> Path:
@@ -90,7 +107,7 @@ def main() -> None:
     engine = VLLMEngine(EngineConfig(model_dir=resolve_model(None, python), python=python,
                                      log_path=args.out / "engine.log"))
     engine.start()
-    results, timings = {}, {}
+    results, timings, answers = {}, {}, {}
     shown: dict[str, int] = {}
 
     def progress(label: str, done: int, total: int) -> None:  # a line per tenth of each phase
@@ -110,6 +127,7 @@ def main() -> None:
                         tasks["eval"].read_text().splitlines()):
                     results[label] = done["accuracy"]["overall"]
                     print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
+                    answers[label] = first_answer_accuracy(report.parent / "traces.duckdb")
                     return
             began = time.perf_counter()
             if policy.adapter is None and policy.version:  # merged weights: the engine restarts on them
@@ -122,6 +140,8 @@ def main() -> None:
             results[label] = summary["accuracy"]["overall"]
             timings[f"eval {label}"] = time.perf_counter() - began
             print(label, json.dumps(results[label]), flush=True)
+            answers[label] = first_answer_accuracy(args.out / f"eval-{label}" / "traces.duckdb")
+            print(label, "first vs final answer:", json.dumps(answers[label]), flush=True)
 
         run_eval("base", "base")
         settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(args.out / "run"),
@@ -148,6 +168,7 @@ def main() -> None:
         engine.stop()
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "held_out": HELD_OUT, "accuracy": results,
+                                                        "first_vs_final_answer": answers,
                                                         "seconds": timings}, indent=2))
     for label, entry in results.items():
         print(f"{label:>10}: {entry}")

@@ -80,6 +80,16 @@ def test_transitions_and_accounting(store):
     assert set(out["token_source"]) == {"engine"}
 
 
+def test_compiling_chosen_rollouts_accounts_for_them_alone(store):
+    out, account = compile_transitions(CompileConfig(db=store, rollout_ids=frozenset({"r1", "r2", "r5", "r6"})))
+    assert sorted(out["rollout_id"].unique().to_list()) == ["r1", "r2"]
+    assert account.rollouts == 4 and dict(account.excluded) == {"rollout failed": 1, "no reward": 1}
+    everything, _ = compile_transitions(CompileConfig(db=store))
+    assert out.sort("rollout_id", "turn")["advantage"].to_list() == \
+        everything.sort("rollout_id", "turn")["advantage"].to_list()  # same groups, same credit
+    assert compile_transitions(CompileConfig(db=store, rollout_ids=frozenset()))[0].height == 0
+
+
 def test_gamma_and_per_transition_advantage(store):
     out, _ = compile_transitions(CompileConfig(db=store, gamma=0.5, advantage="per-transition"))
     r1 = out.filter(pl.col("rollout_id") == "r1").sort("turn")

@@ -74,6 +74,9 @@ class CompileConfig:
     model: Path | str | None = None
     max_length: int | None = None  # prompt + completion tokens; a rollout with a longer call is excluded
     drift: bool = False  # also re-tokenise calls that have a token record and report the difference
+    # Compile only these rollouts (a training round's): the accounting is then theirs, and the work does not
+    # grow with the store. None: every rollout in the store.
+    rollout_ids: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gamma <= 1.0:
@@ -139,6 +142,9 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
     rollouts = read(SQL_ROLLOUTS)
     calls = read(SQL_CALLS)
     rewards = read(SQL_EPISODE_REWARDS.replace("$name", client.sql_literal(name)))
+    if config.rollout_ids is not None:
+        chosen = pl.col("rollout_id").is_in(sorted(config.rollout_ids))
+        rollouts, calls = rollouts.filter(chosen), calls.filter(chosen)
     account = Accounting(rollouts=rollouts.height, duplicate_calls=int(calls["duplicates"].sum() or 0))
 
     def exclude(frame: pl.DataFrame, reason: str) -> None:

@@ -242,11 +242,11 @@ class Trainer:
         summary = self.rollouts(tasks_file, c.n, f"round {r + 1}/{c.rounds} rollouts", c.temperature, c.max_tokens)
         rollout_seconds = time.perf_counter() - started
         self.engine.sleep()
+        ids = frozenset(result.rollout_id for result in summary.results)
         frame, account = compile_transitions(CompileConfig(
-            db=self.db, reward=c.reward, gamma=c.gamma,
-            advantage=c.advantage, agents=c.agents or None, merge_turns=c.merge_turns))
-        ids = {result.rollout_id for result in summary.results}
-        rows = [row for row in frame.to_dicts() if row["rollout_id"] in ids]
+            db=self.db, reward=c.reward, gamma=c.gamma, advantage=c.advantage, agents=c.agents or None,
+            merge_turns=c.merge_turns, rollout_ids=ids))
+        rows = frame.to_dicts()
         stats = optimize(self.learner, rows, c, "grpo", seed=c.seed * 100_003 + r, epochs=c.epochs,
                          progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done, total))
         self.engine.wake()
