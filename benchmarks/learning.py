@@ -121,26 +121,24 @@ def main() -> None:
             policy = resolve_policy(model)
             # A rerun in the same folder keeps an evaluation already finished for the same policy on as many
             # tasks (the task file is rewritten from the same arguments, so the same questions).
-            if report.is_file():
-                done = json.loads(report.read_text())
-                if done["policy"] == policy.to_dict() and done["tasks"] == len(
-                        tasks["eval"].read_text().splitlines()):
-                    results[label] = done["accuracy"]["overall"]
-                    print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
-                    answers[label] = first_answer_accuracy(report.parent / "traces.duckdb")
-                    return
-            began = time.perf_counter()
-            if policy.adapter is None and policy.version:  # merged weights: the engine restarts on them
-                engine.load_model(policy.base_model, policy.version)
-            summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=args.out / f"eval-{label}",
-                                          model=model, max_tokens=args.max_tokens, temperature=0.0,
-                                          concurrency=args.concurrency),
-                               engine=engine, progress=lambda _, done, total: progress(f"eval {label}", done, total)
-                               ).summary
-            results[label] = summary["accuracy"]["overall"]
-            timings[f"eval {label}"] = time.perf_counter() - began
-            print(label, json.dumps(results[label]), flush=True)
-            answers[label] = first_answer_accuracy(args.out / f"eval-{label}" / "traces.duckdb")
+            done = json.loads(report.read_text()) if report.is_file() else None
+            if done and done["policy"] == policy.to_dict() and done["tasks"] == len(
+                    tasks["eval"].read_text().splitlines()):
+                results[label] = done["accuracy"]["overall"]
+                print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
+            else:
+                began = time.perf_counter()
+                if policy.adapter is None and policy.version:  # merged weights: the engine restarts on them
+                    engine.load_model(policy.base_model, policy.version)
+                summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=report.parent,
+                                              model=model, max_tokens=args.max_tokens, temperature=0.0,
+                                              concurrency=args.concurrency),
+                                   engine=engine,
+                                   progress=lambda _, finished, total: progress(f"eval {label}", finished, total)).summary
+                results[label] = summary["accuracy"]["overall"]
+                timings[f"eval {label}"] = time.perf_counter() - began
+                print(label, json.dumps(results[label]), flush=True)
+            answers[label] = first_answer_accuracy(report.parent / "traces.duckdb")
             print(label, "first vs final answer:", json.dumps(answers[label]), flush=True)
 
         run_eval("base", "base")
