@@ -73,12 +73,18 @@ def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None) ->
     step = max(1, len(held) // eval_count)
     evaluation = held[::step][:eval_count]
     trainable = [r for r in dev if r["db_id"] not in HELD_OUT]
-    # GRPO on easy questions first: a group teaches only when some of its samples succeed.
+    # GRPO on easy questions first: a group teaches only when some of its samples succeed. They are in the SFT
+    # set too, so the warm-started policy solves some of them sometimes.
     grpo = sorted(trainable, key=lambda r: r.get("hardness") != "easy")[:grpo_count]
-    grpo_ids = {r["id"] for r in grpo}
-    sft = [r for r in trainable if r["id"] not in grpo_ids] + train_rows
-    if sft_count:  # spread over all training databases
-        sft = sft[::max(1, len(sft) // sft_count)][:sft_count]
+    # SFT: the dev databases' questions first (Spider's own style, as the held-out ones), then train.jsonl's
+    # (geo, scholar, restaurants...: older datasets, mostly hard / extra), each spread evenly when cut.
+    if sft_count is None:
+        sft = trainable + train_rows
+    elif sft_count <= len(trainable):
+        sft = trainable[::max(1, len(trainable) // sft_count)][:sft_count]
+    else:
+        rest = sft_count - len(trainable)
+        sft = trainable + train_rows[::max(1, len(train_rows) // rest)][:rest]
     return {"eval": write(evaluation, out / "eval.jsonl"), "sft": write(sft, out / "sft.jsonl"),
             "grpo": write(grpo, out / "grpo.jsonl")}
 
@@ -92,7 +98,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tasks-per-round", type=int, default=8)
     parser.add_argument("-n", type=int, default=4)
-    parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT, spread evenly (default: all, ~1,400)")
+    parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT: the training dev databases' first, then train.jsonl's (default: all, ~1,470)")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=5e-5, help="GRPO learning rate (LoRA)")
     parser.add_argument("--sft-lr", type=float, default=2e-4)

@@ -181,13 +181,14 @@ def check_inputs(config: RolloutConfig, tasks: list[Task]) -> list[str]:
     return argv
 
 
-def format_answer(template: str, task: Task) -> str:
+def format_answer(template: str, task: Task, what: str = "answer") -> str:
+    """`template` filled from the task's fields; `what` names the setting in errors (answer, sft_label)."""
     try:
         return template.format_map(task.fields)
     except KeyError as exc:
-        raise UserError(f"answer {template!r} needs field {exc} which task {task.task_id!r} does not have") from None
+        raise UserError(f"{what} {template!r} needs field {exc} which task {task.task_id!r} does not have") from None
     except (ValueError, IndexError) as exc:
-        raise UserError(f"answer {template!r} is not a str.format template ({exc}); write literal braces "
+        raise UserError(f"{what} {template!r} is not a str.format template ({exc}); write literal braces "
                         "as {{ and }}") from None
 
 

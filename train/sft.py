@@ -36,6 +36,14 @@ def labels_of(config) -> list[str]:
     return [config.sft_label] if isinstance(config.sft_label, str) else list(config.sft_label)
 
 
+def check_labels(config) -> None:
+    """Every label fits every labelled task (fields present, valid template): checked when the run is set up,
+    before the engine starts, with the setting's own name in the error."""
+    for task in load_tasks(Path(config.sft_tasks)):
+        for label in labels_of(config):
+            format_answer(label, task, "sft_label")
+
+
 def call_prompts(db: Path, rollout_ids: list[str]) -> dict[str, list[list[int]]]:
     """Each rollout's prompts, call by call."""
     if not rollout_ids:

@@ -102,6 +102,10 @@ class Trainer:
             raise UserError("train config: `tasks` is empty: give a JSONL task file (one task per line)")
         if config.rounds and not config.agent.strip():
             raise UserError("train config: `agent` is empty: give the command that runs your agent")
+        if config.sft_tasks:
+            from lightning_otel.train.sft import check_labels
+
+            check_labels(config)
         self._stack = ExitStack()
         self._engine = engine
         self.db = self.folder.path / "traces.duckdb"
