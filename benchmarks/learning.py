@@ -16,6 +16,7 @@ databases listed in HELD_OUT; nothing of them is trained on.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -58,6 +59,23 @@ def first_answer_accuracy(store: Path) -> dict:
     first = sum(spider_exec(json.loads(r["fields"]), {"final_output": r["first_answer"]}) or 0 for r in rows)
     final = sum(spider_exec(json.loads(r["fields"]), {"final_output": r["final_output"]}) or 0 for r in rows)
     return {"episodes": len(rows), "first_answer_correct": int(first), "final_answer_correct": int(final)}
+
+
+def weights_digest(model: str) -> str:
+    """A digest of the weights a policy is evaluated with: a merged serving copy counts as the adapter it was
+    merged from (the copy itself is deleted and rebuilt between rounds); "base" as the bundled model's name."""
+    path = Path(model)
+    if path.name == "merged" and (path.parent / "adapter").is_dir():
+        path = path.parent / "adapter"
+    if not path.is_dir():
+        return model
+    digest = hashlib.sha256()
+    for file in sorted(path.rglob("*.safetensors")):
+        digest.update(file.name.encode())
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write(rows: list[dict], path: Path) -> Path:
@@ -125,11 +143,15 @@ def main() -> None:
         def run_eval(label: str, model: str) -> None:
             report = args.out / f"eval-{label}" / "summary.json"
             policy = resolve_policy(model)
-            # A rerun in the same folder keeps an evaluation already finished for the same policy on as many
-            # tasks (the task file is rewritten from the same arguments, so the same questions).
+            # A rerun in the same folder keeps an evaluation already finished for the same weights on as many
+            # tasks (the task file is rewritten from the same arguments, so the same questions). The weights are
+            # compared by digest: a new run into the same folder writes other weights under the same paths.
             done = json.loads(report.read_text()) if report.is_file() else None
+            digest_file = report.parent / "weights.sha256"
+            digest = weights_digest(model)
             if done and done["policy"] == policy.to_dict() and done["tasks"] == len(
-                    tasks["eval"].read_text().splitlines()):
+                    tasks["eval"].read_text().splitlines()) and digest_file.is_file() and \
+                    digest_file.read_text() == digest:
                 results[label] = done["accuracy"]["overall"]
                 print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
             else:
@@ -141,6 +163,7 @@ def main() -> None:
                                               concurrency=args.concurrency),
                                    engine=engine,
                                    progress=lambda _, finished, total: progress(f"eval {label}", finished, total)).summary
+                digest_file.write_text(digest)
                 results[label] = summary["accuracy"]["overall"]
                 timings[f"eval {label}"] = time.perf_counter() - began
                 print(label, json.dumps(results[label]), flush=True)
