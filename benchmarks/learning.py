@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tasks-per-round", type=int, default=8)
     parser.add_argument("-n", type=int, default=4)
-    parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT: the training dev databases' first, then train.jsonl's (default: all, ~1,470)")
+    parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT: the training dev databases' first, "
+                        "then train.jsonl's (default: all, ~1,470)")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=5e-5, help="GRPO learning rate (LoRA)")
     parser.add_argument("--sft-lr", type=float, default=2e-4)

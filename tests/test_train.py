@@ -102,7 +102,6 @@ def test_a_run_folder_with_other_settings_is_not_resumed(tmp_path):
         Trainer(config)
 
 
-
 def test_sft_labels_that_do_not_fit_the_labelled_tasks_fail_before_the_engine_starts(tmp_path):
     sft_tasks = str(spider_tasks(tmp_path / "sft.jsonl", 2, "singer"))
     with pytest.raises(UserError, match=r"sft_label '\{gold\}' needs field 'gold' which task .* does not have"):
@@ -110,6 +109,7 @@ def test_sft_labels_that_do_not_fit_the_labelled_tasks_fail_before_the_engine_st
     with pytest.raises(UserError, match=r"sft_label 'SELECT \{' is not a str.format template"):
         Trainer(small_config(tmp_path, sft_tasks=sft_tasks, sft_label="SELECT {"))
     assert not (tmp_path / "run").exists()
+
 
 # ---- one real round ------------------------------------------------------------------------------------
 
