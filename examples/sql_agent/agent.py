@@ -39,9 +39,17 @@ class State(TypedDict, total=False):
 
 
 def read_schema(db: str) -> str:
+    """One line per table, `name(column, ...)`: a quarter to a third of the tokens of the CREATE TABLE
+    statements on Spider's databases, so prompts are cheaper to serve and to train on."""
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-        rows = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL").fetchall()
-    return "\n".join(sql for (sql,) in rows)
+        tables = [name for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid")]
+        return "\n".join(f"{table}({', '.join(row[1] for row in conn.execute(f'PRAGMA table_info({quote(table)})'))})"
+                         for table in tables)
+
+
+def quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 def extract_sql(text: str) -> str:
