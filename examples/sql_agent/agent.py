@@ -44,12 +44,11 @@ def read_schema(db: str) -> str:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         tables = [name for (name,) in conn.execute(
             "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid")]
-        return "\n".join(f"{table}({', '.join(row[1] for row in conn.execute(f'PRAGMA table_info({quote(table)})'))})"
-                         for table in tables)
-
-
-def quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+        lines = []
+        for table in tables:
+            columns = [name for (name,) in conn.execute("SELECT name FROM pragma_table_info(?) ORDER BY cid", (table,))]
+            lines.append(f"{table}({', '.join(columns)})")
+    return "\n".join(lines)
 
 
 def extract_sql(text: str) -> str:
