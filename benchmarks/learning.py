@@ -22,17 +22,19 @@ import hashlib
 import json
 import sys
 import time
+from itertools import zip_longest
 from pathlib import Path
 
 from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.model import resolve_model
 from lightning_otel.policy import resolve_policy
-from lightning_otel.rewards import bundled_data_dir, spider_exec
+from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec
 from lightning_otel.span_store import client
 from lightning_otel.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
+from spider_synth import synthesize
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("singer", "poker_player", "tvshow")
@@ -95,7 +97,9 @@ def write(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None) -> dict[str, Path]:
+def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None, synthetic: int = 0) -> dict[str, Path]:
+    """The benchmark's task files in `out`: held-out eval questions, GRPO questions, SFT questions (plus
+    `synthetic` templated questions per training dev database, benchmarks/spider_synth.py, mixed in)."""
     data = bundled_data_dir()
     dev = [json.loads(line) for line in (data / "dev.jsonl").read_text().splitlines() if line.strip()]
     train_rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines() if line.strip()]
@@ -115,6 +119,10 @@ def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None) ->
     else:
         rest = sft_count - len(trainable)
         sft = trainable + train_rows[::max(1, len(train_rows) // rest)][:rest]
+    if synthetic:
+        generated = [row for db_id in dict.fromkeys(r["db_id"] for r in trainable)
+                     for row in synthesize(database_path(data, db_id), db_id, synthetic)]
+        sft = [row for pair in zip_longest(sft, generated) for row in pair if row is not None]
     return {"eval": write(evaluation, out / "eval.jsonl"), "sft": write(sft, out / "sft.jsonl"),
             "grpo": write(grpo, out / "grpo.jsonl")}
 
@@ -130,6 +138,8 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=4)
     parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT: the training dev databases' first, "
                         "then train.jsonl's (default: all, ~1,470)")
+    parser.add_argument("--synthetic", type=int, default=0, help="templated SFT questions per training dev "
+                        "database (benchmarks/spider_synth.py), mixed in with the labelled ones")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r16) instead of all weights")
     parser.add_argument("--lr", type=float, help="GRPO learning rate (default 1e-5; LoRA 5e-5)")
@@ -141,7 +151,7 @@ def main() -> None:
     args.lr = args.lr or (5e-5 if args.lora else 1e-5)
     args.sft_lr = args.sft_lr or (2e-4 if args.lora else 5e-5)
     args.out.mkdir(parents=True, exist_ok=True)
-    tasks = split(args.out, args.eval_tasks, args.grpo_tasks, args.sft_tasks)
+    tasks = split(args.out, args.eval_tasks, args.grpo_tasks, args.sft_tasks, args.synthetic)
     agent = agent_command(args.agent)
     python = default_engine_python()
     engine = VLLMEngine(EngineConfig(model_dir=resolve_model(None, python), python=python,

@@ -64,6 +64,7 @@ def test_config_layers_defaults_file_and_key_values(tmp_path):
     (["aggregation=mean"], "choose one of ['rollout', 'sequence', 'token']"),
     (["micro_batch=8", "batch_size=4"], "batch_size >= micro_batch"),
     (["bf16=maybe"], "is not true/false"),
+    (["bf16=true", "autocast=true"], "set one of them"),
     (["micro_batch_tokens=-1"], "micro_batch_tokens >= 0"),
     (["share_prefix=-2"], "share_prefix >= 0"),
     (["temperature=0"], "rollouts must sample"),

@@ -170,16 +170,21 @@ def _prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, batch_size: 
     return DynamicCache(ddp_cache_data=layers)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
+                        autocast: bool = False) -> torch.Tensor:
     """log p(target token | everything before it) for the completion positions: [B, T], under the model's
-    distribution at `temperature` (logits / T: the distribution rollouts sampled from)."""
+    distribution at `temperature` (logits / T: the distribution rollouts sampled from). `autocast`: the forward
+    pass computes in bf16 (torch.autocast) while the weights, and so the optimizer, stay fp32; the log-softmax
+    is taken in fp32 either way."""
     T = batch.completion_width
-    cached = {}
-    if batch.prefix_ids is not None:
-        cached = {_cache_argument(): _prefix_cache(model, batch.prefix_ids, batch.input_ids.shape[0]),
-                  "use_cache": True}
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
-                logits_to_keep=T + 1, **({"use_cache": False} | cached))
+    device = batch.input_ids.device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        cached = {}
+        if batch.prefix_ids is not None:
+            cached = {_cache_argument(): _prefix_cache(model, batch.prefix_ids, batch.input_ids.shape[0]),
+                      "use_cache": True}
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
+                    logits_to_keep=T + 1, **({"use_cache": False} | cached))
     logits = out.logits[:, :-1, :].float()  # position i predicts token i + 1: the last T targets
     if temperature != 1.0:
         logits = logits / temperature

