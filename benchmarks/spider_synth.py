@@ -112,8 +112,8 @@ def questions_for(table: Table, tables: dict[str, Table], rng: random.Random) ->
          f"SELECT count(DISTINCT {a.name}) FROM {t.name}", "easy"),
     ]
     if a.name != b.name:
-        out.append((f"Show the {a.words} and {b.words} of all {t.plural}.", f"SELECT {a.name}, {b.name} FROM {t.name}",
-                    "medium"))
+        out.append((f"Show the {a.words} and {b.words} of all {t.plural}.",
+                    f"SELECT {a.name}, {b.name} FROM {t.name}", "medium"))
     if text:
         c = rng.choice(text)
         value = rng.choice(c.values)
@@ -140,7 +140,8 @@ def questions_for(table: Table, tables: dict[str, Table], rng: random.Random) ->
         agg, word = rng.choice([("avg", "average"), ("max", "maximum"), ("min", "minimum"), ("sum", "total")])
         pivot = rng.choice(n.values)
         out += [
-            (rng.choice([f"What is the {word} {n.words} of all {t.plural}?", f"Find the {word} {n.words} of the {t.plural}."]),
+            (rng.choice([f"What is the {word} {n.words} of all {t.plural}?",
+                         f"Find the {word} {n.words} of the {t.plural}."]),
              f"SELECT {agg}({n.name}) FROM {t.name}", "easy"),
             (f"What are the maximum and minimum {n.words} of the {t.plural}?",
              f"SELECT max({n.name}), min({n.name}) FROM {t.name}", "medium"),
@@ -216,7 +217,8 @@ def main() -> None:
     parser.add_argument("--per-db", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    rows = [r for db in args.db for r in synthesize(database_path(bundled_data_dir(), db), db, args.per_db, args.seed)]
+    rows = [row for db in args.db
+            for row in synthesize(database_path(bundled_data_dir(), db), db, args.per_db, args.seed)]
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} rows -> {args.out}")
 

@@ -16,7 +16,7 @@ from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec 
     ("TV_Channel", "tv channel", "tv channel", "tv channels"),
     ("templateTypeCode", "template type code", "template type code", "template type codes"),
     ("Dogs", "dogs", "dog", "dogs"),
-    ("Student_Enrolment_Courses", "student enrolment courses", "student enrolment course", "student enrolment courses"),
+    ("Student_Course", "student course", "student course", "student courses"),
     ("Addresses", "addresses", "address", "addresses"),
     ("city", "city", "city", "cities"),
     ("Highschooler", "highschooler", "highschooler", "highschoolers"),
