@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r16) instead of all weights")
     parser.add_argument("--lr", type=float, help="GRPO learning rate (default 1e-5; LoRA 5e-5)")
     parser.add_argument("--sft-lr", type=float, help="SFT learning rate (default 5e-5; LoRA 2e-4)")
+    parser.add_argument("--autocast", action="store_true", help="bf16 forward passes, fp32 weights (train config "
+                        "autocast): ~1.6x faster steps on a CPU with AVX512-BF16")
     parser.add_argument("--concurrency", type=int, default=3, help="agents running at once")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
@@ -205,7 +207,7 @@ def main() -> None:
                         sft_epochs=args.sft_epochs,
                         lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=8,
                         concurrency=args.concurrency, temperature=args.temperature,
-                        full_finetune=not args.lora, serve_merged=args.lora)
+                        full_finetune=not args.lora, serve_merged=args.lora, autocast=args.autocast)
         began = time.perf_counter()
         train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
         timings["sft"] = time.perf_counter() - began
