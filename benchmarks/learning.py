@@ -59,9 +59,14 @@ FROM rollouts r JOIN tasks t USING (task_id) JOIN llm_calls l USING (rollout_id)
 def first_answer_accuracy(store: Path) -> dict:
     """Diagnostic: how many episodes the agent's first answer would have won, against its final answer
     (a multi-turn agent's later turns can repair or spoil its first query)."""
+    first = final = 0
     rows = client.query(FIRST_ANSWERS, store).to_dicts()
-    first = sum(spider_exec(json.loads(r["fields"]), {"final_output": r["first_answer"]}) or 0 for r in rows)
-    final = sum(spider_exec(json.loads(r["fields"]), {"final_output": r["final_output"]}) or 0 for r in rows)
+    for row in rows:
+        task = json.loads(row["fields"])
+        first_score = spider_exec(task, {"final_output": row["first_answer"]}) or 0
+        first += first_score
+        final += first_score if row["final_output"] == row["first_answer"] else \
+            spider_exec(task, {"final_output": row["final_output"]}) or 0
     return {"episodes": len(rows), "first_answer_correct": int(first), "final_answer_correct": int(final)}
 
 
@@ -97,12 +102,15 @@ def write(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None, synthetic: int = 0) -> dict[str, Path]:
     """The benchmark's task files in `out`: held-out eval questions, GRPO questions, SFT questions (plus
     `synthetic` templated questions per training dev database, benchmarks/spider_synth.py, mixed in)."""
     data = bundled_data_dir()
-    dev = [json.loads(line) for line in (data / "dev.jsonl").read_text().splitlines() if line.strip()]
-    train_rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines() if line.strip()]
+    dev, train_rows = read_rows(data / "dev.jsonl"), read_rows(data / "train.jsonl")
     held = [r for r in dev if r["db_id"] in HELD_OUT]
     step = max(1, len(held) // eval_count)
     evaluation = held[::step][:eval_count]

@@ -176,9 +176,14 @@ def check_inputs(config: RolloutConfig, tasks: list[Task]) -> list[str]:
             source = database_path(config.data_dir, str(db_id))
             if not source.is_file():
                 raise UserError(f"{config.tasks}:{task.line}: database {source} does not exist; check --data-dir")
-        for template in config.answers or ():
-            format_answer(template, task)
+        check_templates(config.answers or (), task)
     return argv
+
+
+def check_templates(templates, task: Task, what: str = "answer") -> None:
+    """Every template formats from the task's fields (else the UserError says which field is missing)."""
+    for template in templates:
+        format_answer(template, task, what)
 
 
 def format_answer(template: str, task: Task, what: str = "answer") -> str:
@@ -228,6 +233,8 @@ class Runner:
                  write_records: Callable[[str, list[dict]], int], spans_of: Callable[[str], list[dict]],
                  base_url_for: Callable[[str], str], policy_version: int = 0,
                  script: Callable[[str, list[str] | None], None] | None = None):
+        if config.answers is not None and script is None:
+            raise ValueError("scripted answers need a gateway to script (the `script` callback)")
         self.config = config
         self.script = script
         self.base_url_for = base_url_for
@@ -277,7 +284,7 @@ class Runner:
             if source.is_file():
                 values["db_path"] = str(shutil.copy(source, folder / source.name))
         command = fill_placeholders(argv, values)
-        scripted = self.config.answers is not None and self.script is not None
+        scripted = self.config.answers is not None
         if scripted:
             self.script(rollout_id, [format_answer(a, task) for a in self.config.answers])
         try:

@@ -21,7 +21,7 @@ from pathlib import Path
 import polars as pl
 
 from lightning_otel.errors import UserError
-from lightning_otel.runner import format_answer, load_tasks
+from lightning_otel.runner import check_templates, format_answer, load_tasks
 from lightning_otel.span_store import client
 from lightning_otel.train.optimize import optimize
 
@@ -39,9 +39,9 @@ def labels_of(config) -> list[str]:
 def check_labels(config) -> None:
     """Every label fits every labelled task (fields present, valid template): checked when the run is set up,
     before the engine starts, with the setting's own name in the error."""
+    labels = labels_of(config)
     for task in load_tasks(Path(config.sft_tasks)):
-        for label in labels_of(config):
-            format_answer(label, task, "sft_label")
+        check_templates(labels, task, "sft_label")
 
 
 def call_prompts(db: Path, rollout_ids: list[str]) -> dict[str, list[list[int]]]:

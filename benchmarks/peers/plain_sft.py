@@ -29,16 +29,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
-from learning import split  # noqa: E402
+from learning import read_rows, split  # noqa: E402
 
 from lightning_otel.engine import default_engine_python  # noqa: E402
 from lightning_otel.eval.metrics import wilson_interval  # noqa: E402
 from lightning_otel.model import resolve_model  # noqa: E402
 from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
-
-
-def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class Prompts:
