@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NUMERIC_TYPES = ("INT", "REAL", "NUM", "FLOAT", "DOUBLE", "DEC")
+ID_PREFIX = "synth-"  # every generated row's id starts with it, which tells them from Spider's own questions
 
 
 @dataclass
@@ -193,15 +194,20 @@ def synthesize(db_path: Path, db_id: str, per_db: int, seed: int = 0) -> list[di
         tables = read_tables(conn)
         by_name = {t.name: t for t in tables}
         rows, seen, stale = [], set(), 0
+        checked: dict[str, bool] = {}  # a query drawn again in a later pass is not run again
         while len(rows) < per_db and stale < 20:  # a pass: every table's templates, drawn in random order
             candidates = [c for table in tables for c in questions_for(table, by_name, rng)]
             rng.shuffle(candidates)
             added = 0
             for question, query, hardness in candidates:
-                if question in seen or len(rows) >= per_db or not keeps(conn, query):
+                if question in seen or len(rows) >= per_db:
+                    continue
+                if query not in checked:
+                    checked[query] = keeps(conn, query)
+                if not checked[query]:
                     continue
                 seen.add(question)
-                rows.append({"id": f"synth-{db_id}-{len(rows)}", "db_id": db_id, "question": question,
+                rows.append({"id": f"{ID_PREFIX}{db_id}-{len(rows)}", "db_id": db_id, "question": question,
                              "query": query, "hardness": hardness})
                 added += 1
             stale = 0 if added else stale + 1

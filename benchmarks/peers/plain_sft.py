@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
 from learning import read_rows, split  # noqa: E402
+from spider_synth import ID_PREFIX  # noqa: E402
 
 from lightning_otel.engine import default_engine_python  # noqa: E402
 from lightning_otel.eval.metrics import wilson_interval  # noqa: E402
@@ -145,7 +146,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     files = split(args.out, args.eval_tasks, 0, args.sft_tasks, args.synthetic)
     sft_rows, held_out = read_rows(files["sft"]), read_rows(files["eval"])
-    labelled = [r for r in sft_rows if not str(r["id"]).startswith("synth-")]  # scored: Spider's own questions
+    labelled = [r for r in sft_rows if not str(r["id"]).startswith(ID_PREFIX)]  # scored: Spider's own questions
     train_sample = labelled[::max(1, len(labelled) // args.train_sample)][:args.train_sample]
 
     model_dir = resolve_model(None, default_engine_python())
