@@ -106,9 +106,12 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None, synthetic: int = 0) -> dict[str, Path]:
+def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None, synthetic: int = 0,
+          grpo_synthetic: bool = False) -> dict[str, Path]:
     """The benchmark's task files in `out`: held-out eval questions, GRPO questions, SFT questions (plus
-    `synthetic` templated questions per training dev database, benchmarks/spider_synth.py, mixed in)."""
+    `synthetic` templated questions per training dev database, benchmarks/spider_synth.py, mixed in).
+    With `grpo_synthetic` the GRPO questions are templated ones the SFT set does not hold (the same generator
+    drawn further), spread over the training dev databases, instead of the easiest labelled questions."""
     data = bundled_data_dir()
     dev, train_rows = read_rows(data / "dev.jsonl"), read_rows(data / "train.jsonl")
     held = [r for r in dev if r["db_id"] in HELD_OUT]
@@ -127,10 +130,19 @@ def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None, sy
     else:
         rest = sft_count - len(trainable)
         sft = trainable + train_rows[::max(1, len(train_rows) // rest)][:rest]
+    databases = list(dict.fromkeys(r["db_id"] for r in trainable))
+    extra = -(-grpo_count // len(databases)) if grpo_synthetic else 0
+    # A database's rows are the same for any count up to it (synthesize is prefix-stable), so the first
+    # `synthetic` of each go to SFT as without --grpo-synthetic, and the rest are questions SFT never saw.
+    drawn = {db_id: synthesize(database_path(data, db_id), db_id, synthetic + extra) if synthetic + extra else []
+             for db_id in databases}
     if synthetic:
-        generated = [row for db_id in dict.fromkeys(r["db_id"] for r in trainable)
-                     for row in synthesize(database_path(data, db_id), db_id, synthetic)]
+        generated = [row for rows in drawn.values() for row in rows[:synthetic]]
         sft = [row for pair in zip_longest(sft, generated) for row in pair if row is not None]
+    if grpo_synthetic:
+        fresh = [row for rows in zip_longest(*(rows[synthetic:] for rows in drawn.values())) for row in rows
+                 if row is not None]
+        grpo = fresh[:grpo_count]
     return {"eval": write(evaluation, out / "eval.jsonl"), "sft": write(sft, out / "sft.jsonl"),
             "grpo": write(grpo, out / "grpo.jsonl")}
 
@@ -148,6 +160,8 @@ def main() -> None:
                         "then train.jsonl's (default: all, ~1,470)")
     parser.add_argument("--synthetic", type=int, default=0, help="templated SFT questions per training dev "
                         "database (benchmarks/spider_synth.py), mixed in with the labelled ones")
+    parser.add_argument("--grpo-synthetic", action="store_true", help="GRPO on templated questions of the "
+                        "training dev databases that the SFT set does not hold (default: their easiest labelled ones)")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r16) instead of all weights")
     parser.add_argument("--lr", type=float, help="GRPO learning rate (default 1e-5; LoRA 5e-5)")
@@ -161,7 +175,8 @@ def main() -> None:
     args.lr = args.lr or (5e-5 if args.lora else 1e-5)
     args.sft_lr = args.sft_lr or (2e-4 if args.lora else 5e-5)
     args.out.mkdir(parents=True, exist_ok=True)
-    tasks = split(args.out, args.eval_tasks, args.grpo_tasks, args.sft_tasks, args.synthetic)
+    tasks = split(args.out, args.eval_tasks, args.grpo_tasks, args.sft_tasks, args.synthetic,
+                  args.grpo_synthetic)
     agent = agent_command(args.agent)
     python = default_engine_python()
     engine = VLLMEngine(EngineConfig(model_dir=resolve_model(None, python), python=python,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_synth import plural_of, singular_of, synthesize, words_of  # noqa: E402
+from spider_synth import ID_PREFIX, plural_of, singular_of, synthesize, words_of  # noqa: E402
 
 from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
 
@@ -38,3 +38,19 @@ def test_every_row_answers_its_own_question_on_its_database_and_the_set_is_repro
 
 def test_a_database_without_rows_gives_no_questions():
     assert synthesize(database_path(bundled_data_dir(), "geo"), "geo", 20) == []
+
+
+def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_out_of_the_sft_set(tmp_path):
+    from learning import HELD_OUT, read_rows, split
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    files = split(tmp_path / "a", 150, 40, 100, synthetic=20, grpo_synthetic=True)
+    plain = split(tmp_path / "b", 150, 40, 100, synthetic=20)
+    held, sft, grpo = (read_rows(files[k]) for k in ("eval", "sft", "grpo"))
+    assert {r["db_id"] for r in held} == set(HELD_OUT)
+    assert not {r["db_id"] for r in sft + grpo} & set(HELD_OUT)
+    assert sft == read_rows(plain["sft"])  # drawing GRPO questions further leaves the SFT set as it was
+    assert len(grpo) == 40 and all(r["id"].startswith(ID_PREFIX) for r in grpo)
+    assert len({r["db_id"] for r in grpo}) == 5 and not {r["question"] for r in grpo} & {r["question"] for r in sft}
+    assert all(spider_exec(r, {"final_output": r["query"]}) == 1.0 for r in grpo[:10])
+    assert not any(r["id"].startswith(ID_PREFIX) for r in read_rows(plain["grpo"]))
