@@ -140,6 +140,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast for forward and backward")
+    parser.add_argument("--model", help="a local Hugging Face model folder with a chat template (default: the "
+                        "bundled SmolLM2-135M)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +151,7 @@ def main() -> None:
     labelled = [r for r in sft_rows if not str(r["id"]).startswith(ID_PREFIX)]  # scored: Spider's own questions
     train_sample = labelled[::max(1, len(labelled) // args.train_sample)][:args.train_sample]
 
-    model_dir = resolve_model(None, default_engine_python())
+    model_dir = resolve_model(args.model, default_engine_python())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if args.lora:
