@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/learning.py --out /tmp/learning [--agent sql_agent] [--rounds 8]
 
 Three policies, evaluated greedily by the project's own `eval` on the same held-out questions:
-  base        the bundled SmolLM2-135M as shipped;
+  base        the bundled SmolLM2-135M as shipped (or the --model folder);
   SFT only    after the SFT warm start on labelled questions of the training databases (train.jsonl and the
               dev databases not held out): the gateway walks the agent along each question's labelled path
               (DEMONSTRATIONS: for the LangGraph agent the gold query, then the reviewer's "THE QUERY IS
