@@ -10,6 +10,10 @@ Three policies, evaluated greedily by the project's own `eval` on the same held-
               CORRECT"), and every call on it is trained on its label;
   SFT + GRPO  the same run continued for --rounds GRPO rounds with the multi-turn agent (the run resumes
               after its SFT checkpoint, so both arms share the warm start exactly).
+With --repair N a fourth policy sits between the last two: SFT + repair, a second SFT pass (its own run folder,
+run-repair, starting from the SFT weights) on N repair paths of the SFT questions (benchmarks/spider_repair.py),
+which trains the reviewer to reject a query SQLite refuses and the rewrite step to fix it; GRPO then continues
+from that run, and its evaluation is labelled sft+repair+grpo.
 All weights are trained (--lora: a LoRA adapter). benchmarks/peers/plain_sft.py is the reference without the
 agent: plain single-turn SFT on the same split.
 Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out databases are the dev
@@ -34,6 +38,7 @@ from lightning_otel.span_store import client
 from lightning_otel.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
+from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, repair_tasks
 from spider_synth import synthesize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,6 +167,10 @@ def main() -> None:
                         "database (benchmarks/spider_synth.py), mixed in with the labelled ones")
     parser.add_argument("--grpo-synthetic", action="store_true", help="GRPO on templated questions of the "
                         "training dev databases that the SFT set does not hold (default: their easiest labelled ones)")
+    parser.add_argument("--repair", type=int, default=0, help="after the SFT warm start, a second SFT pass on this "
+                        "many repair paths of the SFT questions (benchmarks/spider_repair.py: a wrong first query, "
+                        "the review that rejects it, the gold query, the review that accepts it; LangGraph agent "
+                        "only); GRPO then continues from it")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r16) instead of all weights")
     parser.add_argument("--lr", type=float, help="GRPO learning rate (default 1e-5; LoRA 5e-5)")
@@ -174,6 +183,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
     args = parser.parse_args()
+    if args.repair and args.agent != "sql_agent":
+        parser.error("--repair walks the LangGraph agent's review and rewrite steps: use it with --agent sql_agent")
     args.lr = args.lr or (5e-5 if args.lora else 1e-5)
     args.sft_lr = args.sft_lr or (2e-4 if args.lora else 5e-5)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -238,12 +249,30 @@ def main() -> None:
         began = time.perf_counter()
         train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
         timings["sft"] = time.perf_counter() - began
-        run_eval("sft", weights(args.out / "run" / "checkpoints" / "sft", base))
+        warm = weights(args.out / "run" / "checkpoints" / "sft", base)
+        run_eval("sft", warm)
+        run, label = args.out / "run", "sft"
+        if args.repair:
+            # A second run that starts from the SFT weights (its own base model, so the engine restarts on it),
+            # warm-starts on the repair paths, then runs the GRPO rounds.
+            data = bundled_data_dir()
+            repairs = write(repair_tasks(read_rows(tasks["sft"]), lambda db_id: database_path(data, db_id),
+                                         args.repair), args.out / "repair.jsonl")
+            run, label = args.out / "run-repair", "sft+repair"
+            settings.update(output_dir=str(run), model=warm, sft_tasks=str(repairs), sft_label=REPAIR_LABELS,
+                            sft_untrained=REPAIR_UNTRAINED)
+            engine.stop()
+            engine = VLLMEngine(EngineConfig(model_dir=Path(warm), python=python, log_path=args.out / "engine.log"))
+            engine.start()
+            began = time.perf_counter()
+            train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
+            timings["sft+repair"] = time.perf_counter() - began
+            run_eval(label, weights(run / "checkpoints" / "sft", Path(warm)))
         began = time.perf_counter()
         train(TrainConfig(rounds=args.rounds, **settings), engine=engine, progress=progress)
         timings["grpo"] = time.perf_counter() - began
-        last = args.out / "run" / json.loads((args.out / "run" / "run.json").read_text())["last"]
-        run_eval("sft+grpo", weights(last, base))
+        last = run / json.loads((run / "run.json").read_text())["last"]
+        run_eval(f"{label}+grpo", weights(last, Path(settings["model"]) if args.repair else base))
     finally:
         engine.stop()
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

@@ -255,6 +255,9 @@ def test_scripted_answers_walk_a_multi_turn_agent_along_its_labelled_path(engine
         assert tokenizer.decode(first["completion_ids"], skip_special_tokens=True) == answers[0]
         assert tokenizer.decode(second["completion_ids"], skip_special_tokens=True) == \
             f"```sql\n{by_id[result.task_id].fields['query']}\n```"
+    # A repair path: the wrong first answer is only there to be repaired, so only the fix is trained.
+    repaired, _ = demonstration_rows(summary.results, by_id, answers, prompts, tokenizer, untrained=[0])
+    assert [d["turn"] for d in repaired] == [1, 1] and repaired == demos[1::2]
     # A third call would be refused: a script of one answer stops the agent after its first call.
     one = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}} "
                                      "--db {db_path}", n=1, db=db_path, timeout_s=120, answers=answers[:1]),

@@ -70,6 +70,9 @@ def test_config_layers_defaults_file_and_key_values(tmp_path):
     (["temperature=0"], "rollouts must sample"),
     (['sft_label=["{query}", 3]'], "a non-empty list of texts"),
     (["sft_label=[nope"], "is not a JSON list of texts"),
+    (["sft_untrained=0"], "leave at least one call trained"),
+    (['sft_label=["{query}", "OK"]', "sft_untrained=[0, 2]"], "give call positions of sft_label"),
+    (["sft_untrained=first"], "is not a list of whole numbers"),
 ])
 def test_bad_config_is_refused_with_what_to_do(args, message):
     with pytest.raises(UserError, match=None) as info:
@@ -79,8 +82,8 @@ def test_bad_config_is_refused_with_what_to_do(args, message):
 
 def test_an_sft_label_per_agent_call_survives_key_values_and_the_saved_toml(tmp_path):
     config = load_config(None, ['sft_label=["```sql\\n{query}\\n```", "THE QUERY IS CORRECT"]',
-                                'agents=say "hi"\nthere'])
-    assert config.sft_label == ["```sql\n{query}\n```", "THE QUERY IS CORRECT"]
+                                'agents=say "hi"\nthere', "sft_untrained=1"])
+    assert config.sft_label == ["```sql\n{query}\n```", "THE QUERY IS CORRECT"] and config.sft_untrained == [1]
     config.save(tmp_path / "saved.toml")  # newlines and quotes in strings stay valid TOML
     assert load_config(tmp_path / "saved.toml") == config
     assert load_config(None, ["sft_label={query}"]).sft_label == "{query}"

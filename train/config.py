@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,8 @@ class TrainConfig:
     sft_tasks: str = ""               # JSONL tasks with a label field; their prompts come from the agent itself
     sft_label: str | list[str] = "{query}"  # the target completion, formatted from the task's fields; a list:
                                       # the answers to the agent's successive calls (train/sft.py)
+    sft_untrained: list[int] = field(default_factory=list)  # calls (0-based) answered with their label but not
+                                      # trained on, e.g. a deliberately wrong first query the agent must repair
     sft_epochs: int = 1
     sft_lr: float = 1e-4
     # validation
@@ -79,6 +81,7 @@ class TrainConfig:
     val_every: int = 1
 
     def __post_init__(self) -> None:
+        calls = 1 if isinstance(self.sft_label, str) else len(self.sft_label or [])
         checks = [
             (self.n >= 1, f"n = {self.n}: samples per task must be at least 1 (GRPO needs n >= 2 for groups)"),
             (self.tasks_per_round >= 1, "tasks_per_round must be at least 1"),
@@ -104,6 +107,11 @@ class TrainConfig:
             (isinstance(self.sft_label, str) or (isinstance(self.sft_label, list) and self.sft_label and all(
                 isinstance(x, str) for x in self.sft_label)),
              f"sft_label = {self.sft_label!r}: give a text, or a non-empty list of texts (one per agent call)"),
+            (isinstance(self.sft_untrained, list) and all(type(i) is int and 0 <= i < calls
+                                                           for i in self.sft_untrained)
+             and len(set(self.sft_untrained)) < calls,
+             f"sft_untrained = {self.sft_untrained!r}: give call positions of sft_label (0 is the first), and "
+             f"leave at least one call trained"),
         ]
         for ok, message in checks:
             if not ok:
@@ -134,6 +142,14 @@ def _coerce(name: str, kind: Any, raw: Any) -> Any:
                 return json.loads(raw)
             except json.JSONDecodeError as exc:
                 raise UserError(f"train config: {name} = {raw!r} is not a JSON list of texts ({exc})") from None
+        return raw
+    if kind == "list[int]":  # a TOML array, or `key=0,2` / `key=[0, 2]`
+        if isinstance(raw, str):
+            text = raw.strip().strip("[]")
+            try:
+                return [int(part) for part in text.split(",") if part.strip()]
+            except ValueError:
+                raise UserError(f"train config: {name} = {raw!r} is not a list of whole numbers (e.g. 0,2)") from None
         return raw
     kind = {"str": str, "int": int, "float": float, "bool": bool}.get(kind, kind) if isinstance(kind, str) else kind
     if kind is bool:

@@ -7,7 +7,9 @@ template, or a list of them for the agent's successive calls, formatted from the
 "{query}") and refuses the calls after the last label (the agent then stops, possibly with an error, which is
 expected). Each answered call is read back from the store (the exact prompt token ids, chat template, schema
 and earlier turns included) and trained on its label followed by the end-of-turn token. So a multi-turn agent
-learns every step of the labelled path: e.g. the query, then the reviewer's verdict on it.
+learns every step of the labelled path: e.g. the query, then the reviewer's verdict on it. Calls listed in
+`sft_untrained` are answered but not trained: a repair path answers the first call with a wrong query and
+trains only the review that rejects it, the corrected query and the review that accepts that.
 
 `sft_rows_from_successes()` is the other source: rejection-sampling fine-tuning on stored transitions of
 rollouts whose reward reached a threshold (used by offline training).
@@ -59,9 +61,10 @@ def target_ids(tokenizer, text: str) -> list[int]:
 
 
 def demonstration_rows(results, tasks: dict, labels: list[str], prompts: dict[str, list[list[int]]],
-                       tokenizer) -> tuple[list[dict], int]:
-    """SFT rows, one per answered call (its prompt, its label + end of turn), and how many rollouts made
-    fewer calls than there are labels (the agent stopped or failed early; the calls it made are kept)."""
+                       tokenizer, untrained: list[int] = ()) -> tuple[list[dict], int]:
+    """SFT rows, one per answered call (its prompt, its label + end of turn) except the `untrained` calls,
+    and how many rollouts made fewer calls than there are labels (the agent stopped or failed early; the
+    calls it made are kept)."""
     rows, short = [], 0
     for r in results:
         calls = prompts.get(r.rollout_id, [])[:len(labels)]
@@ -69,7 +72,7 @@ def demonstration_rows(results, tasks: dict, labels: list[str], prompts: dict[st
         rows += [{"rollout_id": r.rollout_id, "turn": turn, "prompt_ids": prompt,
                   "completion_ids": target_ids(tokenizer, format_answer(label, tasks[r.task_id])),
                   "completion_logprobs": None, "loss_mask": None, "advantage": 0.0}
-                 for turn, (prompt, label) in enumerate(zip(calls, labels))]
+                 for turn, (prompt, label) in enumerate(zip(calls, labels)) if turn not in untrained]
     return rows, short
 
 
@@ -81,7 +84,8 @@ def warm_start(trainer) -> dict:
     started = time.perf_counter()
     summary = trainer.rollouts(Path(c.sft_tasks), 1, "sft prompts", None, 1, reward=False, answers=labels)
     prompts = call_prompts(trainer.db, [r.rollout_id for r in summary.results])
-    rows, short = demonstration_rows(summary.results, tasks, labels, prompts, trainer.learner.tokenizer)
+    rows, short = demonstration_rows(summary.results, tasks, labels, prompts, trainer.learner.tokenizer,
+                                     c.sft_untrained)
     if short:
         log.warning("%d labelled task(s) made fewer model calls than the %d label(s) (the agent stopped or "
                     "failed early); the calls they made are trained", short, len(labels))

@@ -1,0 +1,134 @@
+"""Repair demonstrations for the multi-turn SQL agent: a labelled question, a wrong first query of the kind a
+small model writes on a schema it has not seen, and the labelled path that repairs it.
+
+    .venv/bin/python benchmarks/spider_repair.py --tasks /tmp/learning/sft.jsonl --out /tmp/repair.jsonl --count 200
+
+The LangGraph agent (examples/sql_agent) reviews each query together with its result and rewrites it when the
+review rejects it. A warm start on gold queries only ever shows the reviewer accepting ("THE QUERY IS
+CORRECT"), so the reviewer learns to accept everything and the rewrite step is never trained. On the held-out
+databases most wrong answers name a table or column the schema lacks (benchmarks/RESULTS.md): a plural or
+shortened table name, a column looked up in the wrong table. `corrupt()` makes such a query from the gold
+one (one identifier replaced everywhere it occurs) and keeps it only if SQLite refuses it with "no such table"
+or "no such column"; the review quotes that error.
+
+With REPAIR_LABELS (and `sft_untrained = [0]`) the gateway walks the agent along the path: the wrong query
+(answered, not trained), the review that rejects it, the gold query, the review that accepts it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sqlite3
+import time
+from itertools import zip_longest
+from pathlib import Path
+
+REPAIR_LABELS = ["```sql\n{wrong_query}\n```", "{review}", "```sql\n{query}\n```", "THE QUERY IS CORRECT"]
+REPAIR_UNTRAINED = [0]  # the wrong query is there to be repaired, not learned
+# Quoted text (SQLite strings and quoted identifiers) is left alone; bare words are candidates.
+TOKEN = re.compile(r"'(?:[^']|'')*'|\"[^\"]*\"|`[^`]*`|\[[^\]]*\]|[A-Za-z_][A-Za-z0-9_]*")
+
+
+def schema_names(conn: sqlite3.Connection) -> tuple[list[str], list[str]]:
+    tables = [n for (n,) in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid")]
+    columns = list(dict.fromkeys(c for t in tables for (c,) in conn.execute(
+        "SELECT name FROM pragma_table_info(?) ORDER BY cid", (t,))))
+    return tables, columns
+
+
+def name_variants(name: str) -> list[str]:
+    """Names a model writes for `name` without reading the schema closely: plural for singular and back,
+    underscores dropped, a part of a compound name alone, its first part cut to one letter."""
+    out = [name[:-1] if name.lower().endswith("s") and len(name) > 2 else name + "s"]
+    parts = [p for p in name.split("_") if p]
+    if len(parts) > 1:
+        out += ["".join(parts), parts[-1], parts[0][0] + "_" + "_".join(parts[1:])]
+    return [v for v in dict.fromkeys(out) if v.lower() != name.lower()]
+
+
+def replace_word(query: str, old: str, new: str) -> str:
+    """`query` with every bare (unquoted) occurrence of identifier `old` replaced, case-insensitively."""
+    return TOKEN.sub(lambda m: new if m.group(0).lower() == old.lower() else m.group(0), query)
+
+
+def failure(conn: sqlite3.Connection, query: str, timeout_s: float = 5.0) -> str | None:
+    """SQLite's "no such table/column" message for `query`, or None when it runs or fails otherwise."""
+    deadline = time.monotonic() + timeout_s
+    conn.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
+    try:
+        conn.execute(query).fetchmany(1)
+    except sqlite3.Error as exc:
+        message = str(exc)
+        return message if message.startswith(("no such table", "no such column")) else None
+    finally:
+        conn.set_progress_handler(None, 0)
+    return None
+
+
+def corrupt(conn: sqlite3.Connection, query: str, rng: random.Random) -> tuple[str, str] | None:
+    """(wrong query, SQLite's error) for the gold `query`: one table or column name replaced by a variant of
+    it, by another table of the database, or by a column of another table. None when no candidate fails."""
+    tables, columns = schema_names(conn)
+    known = {n.lower(): n for n in tables + columns}
+    used = list(dict.fromkeys(known[t.lower()] for t in TOKEN.findall(query) if t.lower() in known))
+    candidates = []
+    for name in used:
+        candidates += [(name, v) for v in name_variants(name)]
+        pool = tables if name in tables else columns
+        candidates += [(name, other) for other in rng.sample(pool, min(3, len(pool))) if other != name]
+    rng.shuffle(candidates)
+    for old, new in candidates:
+        wrong = replace_word(query, old, new)
+        error = failure(conn, wrong) if wrong != query else None
+        if error:
+            return wrong, error
+    return None
+
+
+def repair_tasks(rows: list[dict], database: callable, count: int, seed: int = 0) -> list[dict]:
+    """Up to `count` repair tasks from labelled rows, taken from each database in turn: the row's fields plus
+    `wrong_query` and `review`, id suffixed "-repair". `database(db_id)` gives the SQLite file."""
+    rng = random.Random(seed)
+    out, connections = [], {}
+    by_db: dict[str, list[dict]] = {}
+    for row in rows:
+        by_db.setdefault(row["db_id"], []).append(row)
+    order = [row for turn in zip_longest(*by_db.values()) for row in turn if row is not None]
+    try:
+        for row in order:
+            if len(out) >= count:
+                break
+            if row["db_id"] not in connections:
+                connections[row["db_id"]] = sqlite3.connect(f"file:{database(row['db_id'])}?mode=ro", uri=True)
+            made = corrupt(connections[row["db_id"]], row["query"], rng)
+            if made:
+                wrong, error = made
+                out.append({**row, "id": f"{row['id']}-repair", "wrong_query": wrong,
+                            "review": f"The query fails: {error}."})
+    finally:
+        for conn in connections.values():
+            conn.close()
+    return out
+
+
+def main() -> None:
+    from lightning_otel.rewards import bundled_data_dir, database_path
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=Path, required=True, help="labelled tasks (JSONL with db_id, query)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
+    data = bundled_data_dir()
+    made = repair_tasks(rows, lambda db_id: database_path(data, db_id), args.count, args.seed)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in made))
+    print(f"{args.out}: {len(made)} repair tasks from {len(rows)} labelled ones")
+
+
+if __name__ == "__main__":
+    main()
