@@ -57,15 +57,18 @@ def agent_command(name: str) -> str:
 FIRST_ANSWERS = """
 SELECT r.task_id, t.fields, r.final_output,
        arg_min(json_extract_string(l.output_messages, '$[0].parts[0].content'), l.start_ns) AS first_answer
-FROM rollouts r JOIN tasks t USING (task_id) JOIN llm_calls l USING (rollout_id) GROUP BY ALL
+FROM rollouts r JOIN tasks t USING (task_id) JOIN llm_calls l USING (rollout_id)
+WHERE r.rollout_id IN ({ids}) GROUP BY ALL
 """
 
 
-def first_answer_accuracy(store: Path) -> dict:
+def first_answer_accuracy(store: Path, summary: dict) -> dict:
     """Diagnostic: how many episodes the agent's first answer would have won, against its final answer
-    (a multi-turn agent's later turns can repair or spoil its first query)."""
+    (a multi-turn agent's later turns can repair or spoil its first query). Only the episodes of `summary`'s
+    evaluation count: a store re-evaluated in place also holds the earlier evaluation's."""
     first = final = 0
-    rows = client.query(FIRST_ANSWERS, store).to_dicts()
+    ids = ", ".join(client.sql_literal(e["rollout_id"]) for e in summary["episodes"]) or "NULL"
+    rows = client.query(FIRST_ANSWERS.format(ids=ids), store).to_dicts()
     for row in rows:
         task = json.loads(row["fields"])
         first_score = spider_exec(task, {"final_output": row["first_answer"]}) or 0
@@ -219,7 +222,7 @@ def main() -> None:
             if done and done["policy"] == policy.to_dict() and done["tasks"] == len(
                     tasks["eval"].read_text().splitlines()) and digest_file.is_file() and \
                     digest_file.read_text() == digest:
-                results[label] = done["accuracy"]["overall"]
+                results[label], summary = done["accuracy"]["overall"], done
                 print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
             else:
                 began = time.perf_counter()
@@ -234,7 +237,7 @@ def main() -> None:
                 results[label] = summary["accuracy"]["overall"]
                 timings[f"eval {label}"] = time.perf_counter() - began
                 print(label, json.dumps(results[label]), flush=True)
-            answers[label] = first_answer_accuracy(report.parent / "traces.duckdb")
+            answers[label] = first_answer_accuracy(report.parent / "traces.duckdb", summary)
             print(label, "first vs final answer:", json.dumps(answers[label]), flush=True)
 
         run_eval("base", "base" if args.model is None else str(base))
