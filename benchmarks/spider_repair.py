@@ -24,6 +24,7 @@ import sqlite3
 import time
 from itertools import zip_longest
 from pathlib import Path
+from typing import Callable
 
 REPAIR_LABELS = ["```sql\n{wrong_query}\n```", "{review}", "```sql\n{query}\n```", "THE QUERY IS CORRECT"]
 REPAIR_UNTRAINED = [0]  # the wrong query is there to be repaired, not learned
@@ -88,7 +89,7 @@ def corrupt(conn: sqlite3.Connection, query: str, rng: random.Random) -> tuple[s
     return None
 
 
-def repair_tasks(rows: list[dict], database: callable, count: int, seed: int = 0) -> list[dict]:
+def repair_tasks(rows: list[dict], database: Callable[[str], Path], count: int, seed: int = 0) -> list[dict]:
     """Up to `count` repair tasks from labelled rows, taken from each database in turn: the row's fields plus
     `wrong_query` and `review`, id suffixed "-repair". `database(db_id)` gives the SQLite file."""
     rng = random.Random(seed)
