@@ -254,28 +254,28 @@ def main() -> None:
         timings["sft"] = time.perf_counter() - began
         warm = weights(args.out / "run" / "checkpoints" / "sft", base)
         run_eval("sft", warm)
-        run, label = args.out / "run", "sft"
+        run, label, start = args.out / "run", "sft", base  # the run GRPO continues, its label, its base model
         if args.repair:
             # A second run that starts from the SFT weights (its own base model, so the engine restarts on it),
             # warm-starts on the repair paths, then runs the GRPO rounds.
             data = bundled_data_dir()
             repairs = write(repair_tasks(read_rows(tasks["sft"]), lambda db_id: database_path(data, db_id),
                                          args.repair), args.out / "repair.jsonl")
-            run, label = args.out / "run-repair", "sft+repair"
+            run, label, start = args.out / "run-repair", "sft+repair", Path(warm)
             settings.update(output_dir=str(run), model=warm, sft_tasks=str(repairs), sft_label=REPAIR_LABELS,
                             sft_untrained=REPAIR_UNTRAINED)
             engine.stop()
-            engine = VLLMEngine(EngineConfig(model_dir=Path(warm), python=python, log_path=args.out / "engine.log"))
+            engine = VLLMEngine(EngineConfig(model_dir=start, python=python, log_path=args.out / "engine.log"))
             engine.start()
             began = time.perf_counter()
             train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
             timings["sft+repair"] = time.perf_counter() - began
-            run_eval(label, weights(run / "checkpoints" / "sft", Path(warm)))
+            run_eval(label, weights(run / "checkpoints" / "sft", start))
         began = time.perf_counter()
         train(TrainConfig(rounds=args.rounds, **settings), engine=engine, progress=progress)
         timings["grpo"] = time.perf_counter() - began
         last = run / json.loads((run / "run.json").read_text())["last"]
-        run_eval(f"{label}+grpo", weights(last, Path(settings["model"]) if args.repair else base))
+        run_eval(f"{label}+grpo", weights(last, start))
     finally:
         engine.stop()
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

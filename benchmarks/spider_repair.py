@@ -21,10 +21,13 @@ import json
 import random
 import re
 import sqlite3
-import time
+from contextlib import closing
 from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
+
+from lightning_otel.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
+from spider_synth import read_tables
 
 REPAIR_LABELS = ["```sql\n{wrong_query}\n```", "{review}", "```sql\n{query}\n```", "THE QUERY IS CORRECT"]
 REPAIR_UNTRAINED = [0]  # the wrong query is there to be repaired, not learned
@@ -32,12 +35,11 @@ REPAIR_UNTRAINED = [0]  # the wrong query is there to be repaired, not learned
 TOKEN = re.compile(r"'(?:[^']|'')*'|\"[^\"]*\"|`[^`]*`|\[[^\]]*\]|[A-Za-z_][A-Za-z0-9_]*")
 
 
-def schema_names(conn: sqlite3.Connection) -> tuple[list[str], list[str]]:
-    tables = [n for (n,) in conn.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid")]
-    columns = list(dict.fromkeys(c for t in tables for (c,) in conn.execute(
-        "SELECT name FROM pragma_table_info(?) ORDER BY cid", (t,))))
-    return tables, columns
+def schema_names(db: Path) -> tuple[list[str], list[str]]:
+    """The database's table names and its column names (each once), read once per database."""
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        tables = read_tables(conn)
+    return [t.name for t in tables], list(dict.fromkeys(c.name for t in tables for c in t.columns))
 
 
 def name_variants(name: str) -> list[str]:
@@ -55,24 +57,21 @@ def replace_word(query: str, old: str, new: str) -> str:
     return TOKEN.sub(lambda m: new if m.group(0).lower() == old.lower() else m.group(0), query)
 
 
-def failure(conn: sqlite3.Connection, query: str, timeout_s: float = 5.0) -> str | None:
+def failure(db: Path, query: str, timeout_s: float = 5.0) -> str | None:
     """SQLite's "no such table/column" message for `query`, or None when it runs or fails otherwise."""
-    deadline = time.monotonic() + timeout_s
-    conn.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
     try:
-        conn.execute(query).fetchmany(1)
-    except sqlite3.Error as exc:
+        run_query(db, query, timeout_s)
+    except (sqlite3.Error, QueryTimeout) as exc:
         message = str(exc)
         return message if message.startswith(("no such table", "no such column")) else None
-    finally:
-        conn.set_progress_handler(None, 0)
     return None
 
 
-def corrupt(conn: sqlite3.Connection, query: str, rng: random.Random) -> tuple[str, str] | None:
-    """(wrong query, SQLite's error) for the gold `query`: one table or column name replaced by a variant of
-    it, by another table of the database, or by a column of another table. None when no candidate fails."""
-    tables, columns = schema_names(conn)
+def corrupt(db: Path, names: tuple[list[str], list[str]], query: str, rng: random.Random) -> tuple[str, str] | None:
+    """(wrong query, SQLite's error) for the gold `query` on database file `db` whose `names` are
+    schema_names(db): one table or column name replaced by a variant of it, by another table of the database,
+    or by a column of another table. None when no candidate fails."""
+    tables, columns = names
     known = {n.lower(): n for n in tables + columns}
     used = list(dict.fromkeys(known[t.lower()] for t in TOKEN.findall(query) if t.lower() in known))
     candidates = []
@@ -83,7 +82,7 @@ def corrupt(conn: sqlite3.Connection, query: str, rng: random.Random) -> tuple[s
     rng.shuffle(candidates)
     for old, new in candidates:
         wrong = replace_word(query, old, new)
-        error = failure(conn, wrong) if wrong != query else None
+        error = failure(db, wrong) if wrong != query else None
         if error:
             return wrong, error
     return None
@@ -93,31 +92,26 @@ def repair_tasks(rows: list[dict], database: Callable[[str], Path], count: int, 
     """Up to `count` repair tasks from labelled rows, taken from each database in turn: the row's fields plus
     `wrong_query` and `review`, id suffixed "-repair". `database(db_id)` gives the SQLite file."""
     rng = random.Random(seed)
-    out, connections = [], {}
+    out, names = [], {}
     by_db: dict[str, list[dict]] = {}
     for row in rows:
         by_db.setdefault(row["db_id"], []).append(row)
     order = [row for turn in zip_longest(*by_db.values()) for row in turn if row is not None]
-    try:
-        for row in order:
-            if len(out) >= count:
-                break
-            if row["db_id"] not in connections:
-                connections[row["db_id"]] = sqlite3.connect(f"file:{database(row['db_id'])}?mode=ro", uri=True)
-            made = corrupt(connections[row["db_id"]], row["query"], rng)
-            if made:
-                wrong, error = made
-                out.append({**row, "id": f"{row['id']}-repair", "wrong_query": wrong,
-                            "review": f"The query fails: {error}."})
-    finally:
-        for conn in connections.values():
-            conn.close()
+    for row in order:
+        if len(out) >= count:
+            break
+        db = database(row["db_id"])
+        if row["db_id"] not in names:
+            names[row["db_id"]] = schema_names(db)
+        made = corrupt(db, names[row["db_id"]], row["query"], rng)
+        if made:
+            wrong, error = made
+            out.append({**row, "id": f"{row['id']}-repair", "wrong_query": wrong,
+                        "review": f"The query fails: {error}."})
     return out
 
 
 def main() -> None:
-    from lightning_otel.rewards import bundled_data_dir, database_path
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=Path, required=True, help="labelled tasks (JSONL with db_id, query)")
     parser.add_argument("--out", type=Path, required=True)

@@ -7,10 +7,11 @@ import random
 import sqlite3
 import sys
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_repair import REPAIR_LABELS, corrupt, name_variants, repair_tasks, replace_word  # noqa: E402
+from spider_repair import REPAIR_LABELS, corrupt, name_variants, repair_tasks, replace_word, schema_names  # noqa: E402
 
 from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
 
@@ -37,14 +38,16 @@ def test_a_corrupted_query_fails_for_a_missing_name_and_its_gold_query_still_ans
     rows = rows_of("dog_kennels", "world_1")
     data = bundled_data_dir()
     made = 0
+    names = {db_id: schema_names(database_path(data, db_id)) for db_id in ("dog_kennels", "world_1")}
     for row in rows[:40]:
-        with sqlite3.connect(database_path(data, row["db_id"])) as conn:
-            result = corrupt(conn, row["query"], rng)
-            if result is None:
-                continue
-            wrong, error = result
-            made += 1
-            assert wrong != row["query"] and error.startswith(("no such table", "no such column"))
+        db = database_path(data, row["db_id"])
+        result = corrupt(db, names[row["db_id"]], row["query"], rng)
+        if result is None:
+            continue
+        wrong, error = result
+        made += 1
+        assert wrong != row["query"] and error.startswith(("no such table", "no such column"))
+        with closing(sqlite3.connect(db)) as conn:
             try:
                 conn.execute(wrong)
                 raise AssertionError(f"{wrong} runs")
