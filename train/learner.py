@@ -10,6 +10,7 @@ op creates an allreduce buffer in /dev/shm that outlives the process: `close()` 
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import logging
 import os
@@ -153,8 +154,14 @@ class Learner:
             raise RuntimeError(f"no DeepSpeed checkpoint in {folder}")
 
     def close(self) -> None:
-        """Remove the shared-memory buffer DeepSpeed's CPU collective leaves behind. The process group stays
-        for the life of the process: DeepSpeed keeps references to it, and a later learner reuses it."""
+        """Give back the model and optimizer memory, and remove the shared-memory buffer DeepSpeed's CPU collective
+        leaves behind. Without `destroy` DeepSpeed keeps the engine reachable and each learner a process builds
+        stays resident (2 GB for the bundled model, full fine-tune). The process group stays for the life of the
+        process: DeepSpeed keeps references to it, and a later learner reuses it."""
+        if self.engine is not None:
+            self.engine.destroy()
+        self.engine = self.optimizer = self.reference = None
+        gc.collect()
         pattern = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
                    f"{os.environ.get('MASTER_PORT')}_*")
         for path in glob.glob(pattern):
