@@ -14,6 +14,9 @@ With --repair N a fourth policy sits between the last two: SFT + repair, a secon
 run-repair, starting from the SFT weights) on N repair paths of the SFT questions (benchmarks/spider_repair.py),
 which trains the reviewer to reject a query SQLite refuses and the rewrite step to fix it; GRPO then continues
 from that run, and its evaluation is labelled sft+repair+grpo.
+With --renamed N, N of the SFT questions are asked again on renamed copies of their databases
+(benchmarks/spider_rename.py: other table and column names, the gold query rewritten), mixed into the SFT set;
+the run's data folder is then --out/data (the bundled databases and the copies).
 All weights are trained (--lora: a LoRA adapter). benchmarks/peers/plain_sft.py is the reference without the
 agent: plain single-turn SFT on the same split.
 Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out databases are the dev
@@ -38,6 +41,7 @@ from lightning_otel.span_store import client
 from lightning_otel.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
+from spider_rename import renamed_tasks
 from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, repair_tasks
 from spider_synth import synthesize
 
@@ -174,6 +178,9 @@ def main() -> None:
                         "many repair paths of the SFT questions (benchmarks/spider_repair.py: a wrong first query, "
                         "the review that rejects it, the gold query, the review that accepts it; LangGraph agent "
                         "only); GRPO then continues from it")
+    parser.add_argument("--renamed", type=int, default=0, help="this many SFT questions asked again on renamed "
+                        "copies of their databases (benchmarks/spider_rename.py), so that names must be read from the "
+                        "schema in the prompt rather than recalled")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r16) instead of all weights")
     parser.add_argument("--lr", type=float, help="GRPO learning rate (default 1e-5; LoRA 5e-5)")
@@ -193,6 +200,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tasks = split(args.out, args.eval_tasks, args.grpo_tasks, args.sft_tasks, args.synthetic,
                   args.grpo_synthetic)
+    data = bundled_data_dir()
+    if args.renamed:  # the run reads its databases (and the copies) from out/data; evaluation from the bundled ones
+        rows = read_rows(tasks["sft"])
+        renamed = renamed_tasks(rows, data, args.out / "data", args.renamed)
+        data = args.out / "data"
+        write([row for pair in zip_longest(rows, renamed) for row in pair if row is not None], tasks["sft"])
+        print(f"{len(renamed)} SFT questions on renamed databases in {data}", flush=True)
     agent = agent_command(args.agent)
     python = default_engine_python()
     base = resolve_model(args.model, python)
@@ -247,6 +261,7 @@ def main() -> None:
                         sft_epochs=args.sft_epochs,
                         lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=8,
                         concurrency=args.concurrency, temperature=args.temperature,
+                        data_dir=str(data) if args.renamed else "",  # "": the bundled data
                         full_finetune=not args.lora, serve_merged=args.lora, autocast=args.autocast,
                         model="bundled" if args.model is None else str(base))
         began = time.perf_counter()
@@ -258,7 +273,6 @@ def main() -> None:
         if args.repair:
             # A second run that starts from the SFT weights (its own base model, so the engine restarts on it),
             # warm-starts on the repair paths, then runs the GRPO rounds.
-            data = bundled_data_dir()
             repairs = write(repair_tasks(read_rows(tasks["sft"]), lambda db_id: database_path(data, db_id),
                                          args.repair), args.out / "repair.jsonl")
             run, label, start = args.out / "run-repair", "sft+repair", Path(warm)

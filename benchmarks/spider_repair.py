@@ -52,9 +52,14 @@ def name_variants(name: str) -> list[str]:
     return [v for v in dict.fromkeys(out) if v.lower() != name.lower()]
 
 
+def replace_words(query: str, mapping: dict[str, str]) -> str:
+    """`query` with each bare (unquoted) identifier that `mapping` names (lower-case keys) replaced, in one pass."""
+    return TOKEN.sub(lambda m: mapping.get(m.group(0).lower(), m.group(0)), query)
+
+
 def replace_word(query: str, old: str, new: str) -> str:
     """`query` with every bare (unquoted) occurrence of identifier `old` replaced, case-insensitively."""
-    return TOKEN.sub(lambda m: new if m.group(0).lower() == old.lower() else m.group(0), query)
+    return replace_words(query, {old.lower(): new})
 
 
 def failure(db: Path, query: str, timeout_s: float = 5.0) -> str | None:

@@ -12,6 +12,8 @@ the training questions, which tells fitting apart from generalizing.
 
 Full fine-tune by default (`--lora R` for a LoRA adapter on every linear layer); `--autocast` runs forward and
 backward under bf16 autocast (fp32 weights and AdamW; about 1.6x faster on a CPU with AVX512-BF16).
+`--renamed N` adds N of the SFT questions asked on renamed copies of their databases
+(benchmarks/spider_rename.py), so names have to be read from the schema in the prompt.
 Writes `plain_sft.json` (arguments, losses, accuracy with its 95% Wilson interval, every answer) into --out.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import random
 import sys
 import time
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -30,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
 from learning import read_rows, split  # noqa: E402
+from spider_rename import renamed_tasks  # noqa: E402
 from spider_synth import ID_PREFIX  # noqa: E402
 
 from lightning_otel.engine import default_engine_python  # noqa: E402
@@ -41,13 +45,13 @@ from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec 
 class Prompts:
     """The sql_agent's first call for a question, as prompt token ids (schemas read once per database)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.schemas = tokenizer, {}
+    def __init__(self, tokenizer, data: Path) -> None:
+        self.tokenizer, self.data, self.schemas = tokenizer, data, {}
 
     def text(self, row: dict) -> str:
         db_id = row["db_id"]
         if db_id not in self.schemas:
-            self.schemas[db_id] = read_schema(str(database_path(bundled_data_dir(), db_id)))
+            self.schemas[db_id] = read_schema(str(database_path(self.data, db_id)))
         messages = [{"role": "system", "content": WRITE.format(schema=self.schemas[db_id])},
                     {"role": "user", "content": row["question"]}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -133,6 +137,8 @@ def main() -> None:
     parser.add_argument("--sft-tasks", type=int, help="as benchmarks/learning.py (default: all, ~1,470)")
     parser.add_argument("--synthetic", type=int, default=0, help="as benchmarks/learning.py: templated questions "
                         "per training dev database added to the SFT set")
+    parser.add_argument("--renamed", type=int, default=0, help="as benchmarks/learning.py: this many SFT questions "
+                        "asked again on renamed copies of their databases (benchmarks/spider_rename.py)")
     parser.add_argument("--eval-tasks", type=int, default=150)
     parser.add_argument("--train-sample", type=int, default=40, help="training questions scored after SFT")
     parser.add_argument("--epochs", type=float, default=1.0)
@@ -150,6 +156,11 @@ def main() -> None:
     sft_rows, held_out = read_rows(files["sft"]), read_rows(files["eval"])
     labelled = [r for r in sft_rows if not str(r["id"]).startswith(ID_PREFIX)]  # scored: Spider's own questions
     train_sample = labelled[::max(1, len(labelled) // args.train_sample)][:args.train_sample]
+    data = bundled_data_dir()
+    if args.renamed:  # prompts read every schema from out/data (the bundled databases and the renamed copies)
+        renamed = renamed_tasks(sft_rows, data, args.out / "data", args.renamed)
+        data = args.out / "data"
+        sft_rows = [row for pair in zip_longest(sft_rows, renamed) for row in pair if row is not None]
 
     model_dir = resolve_model(args.model, default_engine_python())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -159,7 +170,7 @@ def main() -> None:
 
         model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
                                                  lora_dropout=0.0))
-    prompts = Prompts(tokenizer)
+    prompts = Prompts(tokenizer, data)
     examples = [(prompts.ids(r), tokenizer.encode(f"```sql\n{r['query']}\n```", add_special_tokens=False)
                  + [tokenizer.eos_token_id]) for r in sft_rows]
     print(f"{len(examples)} examples, {sum(len(p) for p, _ in examples) / len(examples):.0f} prompt tokens on "

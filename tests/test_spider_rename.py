@@ -1,0 +1,100 @@
+"""benchmarks/spider_rename.py: real Spider databases copied under other table and column names, and labelled
+questions moved onto the copies with their gold queries rewritten."""
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+import sys
+from collections import Counter
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from spider_rename import KEYWORDS, SUFFIX, rename_database, renamed_tasks, renaming  # noqa: E402
+from spider_repair import schema_names  # noqa: E402
+
+from lightning_otel.rewards import bundled_data_dir, database_path, run_query, spider_exec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sql_agent"))
+from agent import read_schema  # noqa: E402
+
+
+def rows_of(*databases: str) -> list[dict]:
+    rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["db_id"] in databases]
+
+
+@pytest.fixture(scope="module")
+def renamed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("renamed")
+    rows = rows_of("dog_kennels", "world_1", "network_1")
+    return rows, out, renamed_tasks(rows, bundled_data_dir(), out, count=90)
+
+
+def test_every_bare_name_gets_one_new_distinct_spelling():
+    db = database_path(bundled_data_dir(), "world_1")
+    mapping = renaming(db, random.Random(0))
+    tables, columns = schema_names(db)
+    old = {n.lower() for n in tables + columns}
+    assert set(mapping) == old  # world_1's names are all bare identifiers and all found a spelling
+    new = [n.lower() for n in mapping.values()]
+    assert len(set(new)) == len(new) and not set(new) & old and not set(new) & KEYWORDS
+    assert all(n.replace("_", "").isalnum() for n in new)
+
+
+def test_the_copy_has_the_new_names_and_the_same_rows(tmp_path):
+    source = database_path(bundled_data_dir(), "dog_kennels")
+    mapping = renaming(source, random.Random(1))
+    target = tmp_path / "copy.sqlite"
+    done = rename_database(source, target, mapping)
+    assert done == mapping
+    tables, columns = schema_names(target)
+    assert {n.lower() for n in tables + columns} == {n.lower() for n in mapping.values()}
+    for table in schema_names(source)[0]:
+        count = run_query(source, f'SELECT count(*) FROM "{table}"', 5)
+        assert run_query(target, f'SELECT count(*) FROM "{mapping[table.lower()]}"', 5) == count
+    # The agent's prompt shows the new names only.
+    lines = [line.rstrip(")").split("(") for line in read_schema(str(target)).splitlines()]
+    assert {table for table, _ in lines} == {mapping[t.lower()] for t in schema_names(source)[0]}
+    assert {c for _, cols in lines for c in cols.split(", ")} == {mapping[c.lower()] for c in schema_names(source)[1]}
+
+
+def test_renamed_questions_answer_the_same_on_the_copy_and_the_old_names_are_gone(renamed):
+    rows, out, made = renamed
+    assert len(made) == 90
+    originals = {r["id"]: r for r in rows}
+    for row in made:
+        gold = originals[row["id"].removesuffix("-renamed")]
+        assert row["db_id"] == gold["db_id"] + SUFFIX and row["question"] == gold["question"]
+        copy = database_path(out, row["db_id"])
+        assert run_query(copy, row["query"], 5) == run_query(database_path(out, gold["db_id"]), gold["query"], 5)
+        with pytest.raises(sqlite3.OperationalError, match="no such (table|column)"):
+            run_query(copy, gold["query"], 5)
+        # The project's reward, given the run's data folder, scores the rewritten gold query right.
+        rollout = {"final_output": row["query"], "data_dir": str(out), "status": "ok"}
+        assert spider_exec(row, rollout) == 1.0
+
+
+def test_the_data_folder_holds_every_bundled_database_and_the_copies_spread_evenly(renamed):
+    _, out, made = renamed
+    bundled = {p.name for p in (bundled_data_dir() / "database").iterdir()}
+    held = {p.name for p in (out / "database").iterdir()}
+    assert held == bundled | {f"{db}{SUFFIX}" for db in ("dog_kennels", "world_1", "network_1")}
+    assert set(Counter(r["db_id"] for r in made).values()) == {30}
+
+
+def test_a_database_sqlite_cannot_rename_gives_no_questions_and_no_error(tmp_path):
+    source = tmp_path / "src"
+    db = database_path(source, "broken")
+    db.parent.mkdir(parents=True)
+    with closing(sqlite3.connect(db)) as conn:
+        conn.execute("CREATE TABLE pets (pet_id INTEGER, name TEXT)")
+        conn.execute("INSERT INTO pets VALUES (1, 'Rex')")
+        conn.execute("CREATE VIEW v AS SELECT x FROM missing")  # any ALTER TABLE now fails on this view
+        conn.commit()
+    row = {"id": "q1", "db_id": "broken", "question": "Names of pets?", "query": "SELECT name FROM pets"}
+    assert renamed_tasks([row], source, tmp_path / "out", count=5) == []
+    assert run_query(database_path(tmp_path / "out", "broken" + SUFFIX), "SELECT name FROM pets", 5) == [("Rex",)]
