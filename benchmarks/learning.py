@@ -29,7 +29,6 @@ import hashlib
 import json
 import sys
 import time
-from itertools import zip_longest
 from pathlib import Path
 
 from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
@@ -43,7 +42,7 @@ from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 from spider_rename import renamed_tasks
 from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, repair_tasks
-from spider_synth import synthesize
+from spider_synth import round_robin, synthesize
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("singer", "poker_player", "tvshow")
@@ -150,10 +149,9 @@ def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None, sy
              for db_id in databases}
     if synthetic:
         generated = [row for rows in drawn.values() for row in rows[:synthetic]]
-        sft = [row for pair in zip_longest(sft, generated) for row in pair if row is not None]
+        sft = round_robin(sft, generated)
     if grpo_synthetic:
-        fresh = [row for rows in zip_longest(*(rows[synthetic:] for rows in drawn.values())) for row in rows
-                 if row is not None]
+        fresh = round_robin(*(rows[synthetic:] for rows in drawn.values()))
         grpo = fresh[:grpo_count]
     return {"eval": write(evaluation, out / "eval.jsonl"), "sft": write(sft, out / "sft.jsonl"),
             "grpo": write(grpo, out / "grpo.jsonl")}
@@ -205,7 +203,7 @@ def main() -> None:
         rows = read_rows(tasks["sft"])
         renamed = renamed_tasks(rows, data, args.out / "data", args.renamed)
         data = args.out / "data"
-        write([row for pair in zip_longest(rows, renamed) for row in pair if row is not None], tasks["sft"])
+        write(round_robin(rows, renamed), tasks["sft"])
         print(f"{len(renamed)} SFT questions on renamed databases in {data}", flush=True)
     agent = agent_command(args.agent)
     python = default_engine_python()

@@ -24,11 +24,11 @@ import re
 import shutil
 import sqlite3
 from contextlib import closing
-from itertools import zip_longest
 from pathlib import Path
 
 from lightning_otel.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
 from spider_repair import name_variants, replace_words, schema_names
+from spider_synth import by_database
 
 SUFFIX = "_renamed"
 BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -121,15 +121,12 @@ def renamed_tasks(rows: list[dict], source: Path, out: Path, count: int, seed: i
     if (out / "database").exists():
         shutil.rmtree(out / "database")
     shutil.copytree(source / "database", out / "database")
-    by_db: dict[str, list[dict]] = {}
-    for row in rows:
-        by_db.setdefault(row["db_id"], []).append(row)
     renames: dict[str, dict[str, str]] = {}
-    for db_id in by_db:
+    for db_id in dict.fromkeys(row["db_id"] for row in rows):
         mapping = renaming(database_path(source, db_id), rng)
         renames[db_id] = rename_database(database_path(source, db_id), database_path(out, db_id + SUFFIX), mapping)
     made = []
-    for row in (r for turn in zip_longest(*by_db.values()) for r in turn if r is not None):
+    for row in by_database(rows):
         if len(made) >= count:
             break
         db_id = row["db_id"]

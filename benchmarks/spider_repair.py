@@ -22,12 +22,11 @@ import random
 import re
 import sqlite3
 from contextlib import closing
-from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
 from lightning_otel.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
-from spider_synth import read_tables
+from spider_synth import by_database, read_tables
 
 REPAIR_LABELS = ["```sql\n{wrong_query}\n```", "{review}", "```sql\n{query}\n```", "THE QUERY IS CORRECT"]
 REPAIR_UNTRAINED = [0]  # the wrong query is there to be repaired, not learned
@@ -98,11 +97,7 @@ def repair_tasks(rows: list[dict], database: Callable[[str], Path], count: int, 
     `wrong_query` and `review`, id suffixed "-repair". `database(db_id)` gives the SQLite file."""
     rng = random.Random(seed)
     out, names = [], {}
-    by_db: dict[str, list[dict]] = {}
-    for row in rows:
-        by_db.setdefault(row["db_id"], []).append(row)
-    order = [row for turn in zip_longest(*by_db.values()) for row in turn if row is not None]
-    for row in order:
+    for row in by_database(rows):
         if len(out) >= count:
             break
         db = database(row["db_id"])

@@ -22,6 +22,7 @@ import random
 import re
 import sqlite3
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 NUMERIC_TYPES = ("INT", "REAL", "NUM", "FLOAT", "DOUBLE", "DEC")
@@ -43,6 +44,19 @@ class Table:
     plural: str
     columns: list[Column]
     links: list[tuple[str, str, str]]   # (column here, other table, its column): the declared foreign keys
+
+
+def round_robin(*lists: list) -> list:
+    """The lists' items one from each in turn; a list that runs out drops out."""
+    return [item for turn in zip_longest(*lists) for item in turn if item is not None]
+
+
+def by_database(rows: list[dict]) -> list[dict]:
+    """`rows` taken from each database (db_id) in turn, in their order within a database."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["db_id"], []).append(row)
+    return round_robin(*groups.values())
 
 
 def words_of(name: str) -> str:

@@ -23,7 +23,6 @@ import json
 import random
 import sys
 import time
-from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
 from learning import read_rows, split  # noqa: E402
 from spider_rename import renamed_tasks  # noqa: E402
-from spider_synth import ID_PREFIX  # noqa: E402
+from spider_synth import ID_PREFIX, round_robin  # noqa: E402
 
 from lightning_otel.engine import default_engine_python  # noqa: E402
 from lightning_otel.eval.metrics import wilson_interval  # noqa: E402
@@ -160,7 +159,7 @@ def main() -> None:
     if args.renamed:  # prompts read every schema from out/data (the bundled databases and the renamed copies)
         renamed = renamed_tasks(sft_rows, data, args.out / "data", args.renamed)
         data = args.out / "data"
-        sft_rows = [row for pair in zip_longest(sft_rows, renamed) for row in pair if row is not None]
+        sft_rows = round_robin(sft_rows, renamed)
 
     model_dir = resolve_model(args.model, default_engine_python())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
