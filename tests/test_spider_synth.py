@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_synth import ID_PREFIX, plural_of, singular_of, synthesize, words_of  # noqa: E402
+from spider_synth import (ID_PREFIX, by_database, plural_of, round_robin, singular_of, synthesize,  # noqa: E402
+                          words_of)
 
 from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
 
@@ -38,6 +39,13 @@ def test_every_row_answers_its_own_question_on_its_database_and_the_set_is_repro
 
 def test_a_database_without_rows_gives_no_questions():
     assert synthesize(database_path(bundled_data_dir(), "geo"), "geo", 20) == []
+
+
+def test_lists_interleave_and_rows_spread_over_their_databases():
+    assert round_robin([1, 2, 3], ["a"], ["b", "c"]) == [1, "a", "b", 2, "c", 3]
+    assert round_robin([], [1]) == [1] and round_robin() == []
+    rows = [{"db_id": db, "n": n} for n, db in enumerate(["x", "x", "x", "y", "z", "z"])]
+    assert [r["n"] for r in by_database(rows)] == [0, 3, 4, 1, 5, 2]
 
 
 def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_out_of_the_sft_set(tmp_path):
