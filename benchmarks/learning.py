@@ -40,7 +40,7 @@ from lightning_otel.span_store import client
 from lightning_otel.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
-from spider_rename import renamed_tasks
+from spider_rename import with_renamed
 from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, repair_tasks
 from spider_synth import round_robin, synthesize
 
@@ -200,11 +200,9 @@ def main() -> None:
                   args.grpo_synthetic)
     data = bundled_data_dir()
     if args.renamed:  # the run reads its databases (and the copies) from out/data; evaluation from the bundled ones
-        rows = read_rows(tasks["sft"])
-        renamed = renamed_tasks(rows, data, args.out / "data", args.renamed)
-        data = args.out / "data"
-        write(round_robin(rows, renamed), tasks["sft"])
-        print(f"{len(renamed)} SFT questions on renamed databases in {data}", flush=True)
+        rows, data = with_renamed(read_rows(tasks["sft"]), data, args.out / "data", args.renamed)
+        print(f"{len(rows)} SFT questions with those on renamed databases; databases in {data}", flush=True)
+        write(rows, tasks["sft"])
     agent = agent_command(args.agent)
     python = default_engine_python()
     base = resolve_model(args.model, python)

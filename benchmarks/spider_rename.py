@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lightning_otel.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
 from spider_repair import name_variants, replace_words, schema_names
-from spider_synth import by_database
+from spider_synth import by_database, round_robin
 
 SUFFIX = "_renamed"
 BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -117,6 +117,8 @@ def renamed_tasks(rows: list[dict], source: Path, out: Path, count: int, seed: i
     renamed copy of their database; `out` becomes a Spider-layout data folder with every database of the
     Spider-layout folder `source` and the copies. Each row keeps its fields; its id gets "-renamed", its db_id
     the suffix "_renamed", its query the new names."""
+    if out.resolve() == source.resolve():
+        raise ValueError(f"{out} is the source data folder: give renamed_tasks another folder to write")
     rng = random.Random(seed)
     if (out / "database").exists():
         shutil.rmtree(out / "database")
@@ -135,6 +137,12 @@ def renamed_tasks(rows: list[dict], source: Path, out: Path, count: int, seed: i
                                                      database_path(out, db_id + SUFFIX), row["query"], rewritten):
             made.append({**row, "id": f"{row['id']}-renamed", "db_id": db_id + SUFFIX, "query": rewritten})
     return made
+
+
+def with_renamed(rows: list[dict], source: Path, out: Path, count: int) -> tuple[list[dict], Path]:
+    """`rows` with up to `count` renamed questions (renamed_tasks) taken in turn with them, and the data folder
+    that holds both (`out`)."""
+    return round_robin(rows, renamed_tasks(rows, source, out, count)), out
 
 
 def main() -> None:

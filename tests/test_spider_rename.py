@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_rename import KEYWORDS, SUFFIX, rename_database, renamed_tasks, renaming  # noqa: E402
+from spider_rename import KEYWORDS, SUFFIX, rename_database, renamed_tasks, renaming, with_renamed  # noqa: E402
 from spider_repair import schema_names  # noqa: E402
 
 from lightning_otel.rewards import bundled_data_dir, database_path, run_query, spider_exec  # noqa: E402
@@ -98,3 +98,15 @@ def test_a_database_sqlite_cannot_rename_gives_no_questions_and_no_error(tmp_pat
     row = {"id": "q1", "db_id": "broken", "question": "Names of pets?", "query": "SELECT name FROM pets"}
     assert renamed_tasks([row], source, tmp_path / "out", count=5) == []
     assert run_query(database_path(tmp_path / "out", "broken" + SUFFIX), "SELECT name FROM pets", 5) == [("Rex",)]
+    # Writing into the source folder would replace its databases: refused before anything is touched.
+    with pytest.raises(ValueError, match="is the source data folder"):
+        renamed_tasks([row], source, source / ".", count=5)
+    assert database_path(source, "broken").is_file()
+
+
+def test_the_sft_mix_takes_renamed_questions_in_turn_with_the_originals(tmp_path):
+    rows = rows_of("network_1")[:6]
+    mixed, data = with_renamed(rows, bundled_data_dir(), tmp_path / "data", count=3)
+    assert data == tmp_path / "data"
+    assert [r["id"] for r in mixed] == [x for r in rows[:3] for x in (r["id"], r["id"] + "-renamed")] + \
+        [r["id"] for r in rows[3:]]

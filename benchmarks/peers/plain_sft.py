@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
 from learning import read_rows, split  # noqa: E402
-from spider_rename import renamed_tasks  # noqa: E402
-from spider_synth import ID_PREFIX, round_robin  # noqa: E402
+from spider_rename import with_renamed  # noqa: E402
+from spider_synth import ID_PREFIX  # noqa: E402
 
 from lightning_otel.engine import default_engine_python  # noqa: E402
 from lightning_otel.eval.metrics import wilson_interval  # noqa: E402
@@ -157,9 +157,7 @@ def main() -> None:
     train_sample = labelled[::max(1, len(labelled) // args.train_sample)][:args.train_sample]
     data = bundled_data_dir()
     if args.renamed:  # prompts read every schema from out/data (the bundled databases and the renamed copies)
-        renamed = renamed_tasks(sft_rows, data, args.out / "data", args.renamed)
-        data = args.out / "data"
-        sft_rows = round_robin(sft_rows, renamed)
+        sft_rows, data = with_renamed(sft_rows, data, args.out / "data", args.renamed)
 
     model_dir = resolve_model(args.model, default_engine_python())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
