@@ -200,7 +200,8 @@ def main() -> None:
                   args.grpo_synthetic)
     data = bundled_data_dir()
     if args.renamed:  # the run reads its databases (and the copies) from out/data; evaluation from the bundled ones
-        rows, data = with_renamed(read_rows(tasks["sft"]), data, args.out / "data", args.renamed)
+        rows = with_renamed(read_rows(tasks["sft"]), data, args.out / "data", args.renamed)
+        data = args.out / "data"
         print(f"{len(rows)} SFT questions with those on renamed databases; databases in {data}", flush=True)
         write(rows, tasks["sft"])
     agent = agent_command(args.agent)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lightning_otel.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
 from spider_repair import name_variants, replace_words, schema_names
-from spider_synth import by_database, round_robin
+from spider_synth import by_database, read_tables, round_robin
 
 SUFFIX = "_renamed"
 BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -84,20 +84,20 @@ def rename_database(source: Path, target: Path, mapping: dict[str, str]) -> dict
     shutil.copyfile(source, target)
     done: dict[str, str] = {}
     with closing(sqlite3.connect(target)) as conn:
-        for table in [n for (n,) in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]:
-            for (column,) in conn.execute("SELECT name FROM pragma_table_info(?)", (table,)).fetchall():
-                if column.lower() in mapping:
-                    new = mapping[column.lower()]
+        for table in read_tables(conn):  # the names before any rename
+            for column in table.columns:
+                new = mapping.get(column.name.lower())
+                if new:
                     try:
-                        conn.execute(f'ALTER TABLE "{table}" RENAME COLUMN "{column}" TO "{new}"')
-                        done[column.lower()] = new
+                        conn.execute(f'ALTER TABLE "{table.name}" RENAME COLUMN "{column.name}" TO "{new}"')
+                        done[column.name.lower()] = new
                     except sqlite3.Error:
                         pass
-            if table.lower() in mapping:
+            new = mapping.get(table.name.lower())
+            if new:
                 try:
-                    conn.execute(f'ALTER TABLE "{table}" RENAME TO "{mapping[table.lower()]}"')
-                    done[table.lower()] = mapping[table.lower()]
+                    conn.execute(f'ALTER TABLE "{table.name}" RENAME TO "{new}"')
+                    done[table.name.lower()] = new
                 except sqlite3.Error:
                     pass
         conn.commit()
@@ -139,10 +139,10 @@ def renamed_tasks(rows: list[dict], source: Path, out: Path, count: int, seed: i
     return made
 
 
-def with_renamed(rows: list[dict], source: Path, out: Path, count: int) -> tuple[list[dict], Path]:
-    """`rows` with up to `count` renamed questions (renamed_tasks) taken in turn with them, and the data folder
-    that holds both (`out`)."""
-    return round_robin(rows, renamed_tasks(rows, source, out, count)), out
+def with_renamed(rows: list[dict], source: Path, out: Path, count: int) -> list[dict]:
+    """`rows` with up to `count` renamed questions (renamed_tasks, written into data folder `out`) taken in turn
+    with them."""
+    return round_robin(rows, renamed_tasks(rows, source, out, count))
 
 
 def main() -> None:

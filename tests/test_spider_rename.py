@@ -106,7 +106,7 @@ def test_a_database_sqlite_cannot_rename_gives_no_questions_and_no_error(tmp_pat
 
 def test_the_sft_mix_takes_renamed_questions_in_turn_with_the_originals(tmp_path):
     rows = rows_of("network_1")[:6]
-    mixed, data = with_renamed(rows, bundled_data_dir(), tmp_path / "data", count=3)
-    assert data == tmp_path / "data"
+    mixed = with_renamed(rows, bundled_data_dir(), tmp_path / "data", count=3)
+    assert database_path(tmp_path / "data", "network_1" + SUFFIX).is_file()
     assert [r["id"] for r in mixed] == [x for r in rows[:3] for x in (r["id"], r["id"] + "-renamed")] + \
         [r["id"] for r in rows[3:]]

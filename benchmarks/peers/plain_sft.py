@@ -157,7 +157,8 @@ def main() -> None:
     train_sample = labelled[::max(1, len(labelled) // args.train_sample)][:args.train_sample]
     data = bundled_data_dir()
     if args.renamed:  # prompts read every schema from out/data (the bundled databases and the renamed copies)
-        sft_rows, data = with_renamed(sft_rows, data, args.out / "data", args.renamed)
+        sft_rows = with_renamed(sft_rows, data, args.out / "data", args.renamed)
+        data = args.out / "data"
 
     model_dir = resolve_model(args.model, default_engine_python())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
