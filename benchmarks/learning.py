@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,19 @@ HELD_OUT = ("singer", "poker_player", "tvshow")
 SQL_LABEL = "```sql\n{query}\n```"
 # The answers to each agent's successive calls on a labelled question; agents not named answer the query only.
 DEMONSTRATIONS = {"sql_agent": [SQL_LABEL, "THE QUERY IS CORRECT"]}
+
+
+def linked_schema(schema: str, query: str) -> str:
+    """The lines of `schema` (one `table(column, ...)` per line, the sql_agent's format) whose table `query`
+    names, in the order the query first names them: an answer that copies these before its query has every
+    name it needs written just before it (schema linking as the answer's first step)."""
+    found = []
+    for line in schema.splitlines():
+        table = line.split("(", 1)[0]
+        named = re.search(rf"(?<![\w.]){re.escape(table)}(?!\w)", query, re.IGNORECASE)
+        if table and named:
+            found.append((named.start(), line))
+    return "\n".join(line for _, line in sorted(found))
 
 
 def agent_command(name: str) -> str:

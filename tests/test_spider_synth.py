@@ -62,3 +62,22 @@ def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_ou
     assert len({r["db_id"] for r in grpo}) == 5 and not {r["question"] for r in grpo} & {r["question"] for r in sft}
     assert all(spider_exec(r, {"final_output": r["query"]}) == 1.0 for r in grpo[:10])
     assert not any(r["id"].startswith(ID_PREFIX) for r in read_rows(plain["grpo"]))
+
+
+def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agent_still_reads_the_query():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sql_agent"))
+    from agent import extract_sql, read_schema
+    from learning import linked_schema, read_rows
+
+    data = bundled_data_dir()
+    schema = read_schema(str(database_path(data, "student_transcripts_tracking")))
+    lines = dict((line.split("(")[0], line) for line in schema.splitlines())
+    query = ("SELECT T1.first_name FROM Students AS T1 JOIN student_enrolment_courses AS T2 "
+             "ON T1.student_id = T2.student_enrolment_id WHERE T2.course_id = 'Students'")
+    # in the order named; case-insensitive; Student_Enrolment is only a prefix of the table named, not itself named
+    assert linked_schema(schema, query) == "\n".join([lines["Students"], lines["Student_Enrolment_Courses"]])
+    assert linked_schema(schema, "SELECT 1") == ""
+    for row in read_rows(data / "dev.jsonl")[:200]:  # real gold queries: every one names a table of its schema
+        linked = linked_schema(read_schema(str(database_path(data, row["db_id"]))), row["query"])
+        assert linked, row
+        assert extract_sql(f"{linked}\n```sql\n{row['query']}\n```") == " ".join(row["query"].split())

@@ -14,6 +14,8 @@ Full fine-tune by default (`--lora R` for a LoRA adapter on every linear layer);
 backward under bf16 autocast (fp32 weights and AdamW; about 1.6x faster on a CPU with AVX512-BF16).
 `--renamed N` adds N of the SFT questions asked on renamed copies of their databases
 (benchmarks/spider_rename.py), so names have to be read from the schema in the prompt.
+`--link` makes every target copy the schema lines of the tables its query names before the query (schema
+linking as the answer's first step, `learning.linked_schema`); the agent's `extract_sql` still reads the query.
 Writes `plain_sft.json` (arguments, losses, accuracy with its 95% Wilson interval, every answer) into --out.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
-from learning import read_rows, split  # noqa: E402
+from learning import linked_schema, read_rows, split  # noqa: E402
 from spider_rename import with_renamed  # noqa: E402
 from spider_synth import ID_PREFIX  # noqa: E402
 
@@ -47,11 +49,13 @@ class Prompts:
     def __init__(self, tokenizer, data: Path) -> None:
         self.tokenizer, self.data, self.schemas = tokenizer, data, {}
 
-    def text(self, row: dict) -> str:
-        db_id = row["db_id"]
+    def schema(self, db_id: str) -> str:
         if db_id not in self.schemas:
             self.schemas[db_id] = read_schema(str(database_path(self.data, db_id)))
-        messages = [{"role": "system", "content": WRITE.format(schema=self.schemas[db_id])},
+        return self.schemas[db_id]
+
+    def text(self, row: dict) -> str:
+        messages = [{"role": "system", "content": WRITE.format(schema=self.schema(row["db_id"]))},
                     {"role": "user", "content": row["question"]}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -108,7 +112,7 @@ def fine_tune(model, examples: list[tuple[list[int], list[int]]], args, pad_id: 
 
 
 @torch.no_grad()
-def answer(model, tokenizer, prompts: Prompts, rows: list[dict], label: str) -> dict:
+def answer(model, tokenizer, prompts: Prompts, rows: list[dict], label: str, max_new_tokens: int = 96) -> dict:
     """Greedy first answers of `rows`, scored against their gold queries."""
     model.eval()
     tokenizer.padding_side = "left"
@@ -117,7 +121,7 @@ def answer(model, tokenizer, prompts: Prompts, rows: list[dict], label: str) -> 
         chunk = rows[start:start + 16]
         encoded = tokenizer([prompts.text(r) for r in chunk], return_tensors="pt", padding=True,
                             add_special_tokens=False)
-        generated = model.generate(**encoded, max_new_tokens=96, do_sample=False,
+        generated = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False,
                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         for row, ids in zip(chunk, generated[:, encoded["input_ids"].shape[1]:]):
             sql = extract_sql(tokenizer.decode(ids, skip_special_tokens=True))
@@ -147,6 +151,8 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast for forward and backward")
     parser.add_argument("--model", help="a local Hugging Face model folder with a chat template (default: the "
                         "bundled SmolLM2-135M)")
+    parser.add_argument("--link", action="store_true", help="targets copy the schema lines of the tables the "
+                        "gold query names before the query (learning.linked_schema); answers get 192 tokens")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,16 +175,21 @@ def main() -> None:
         model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
                                                  lora_dropout=0.0))
     prompts = Prompts(tokenizer, data)
-    examples = [(prompts.ids(r), tokenizer.encode(f"```sql\n{r['query']}\n```", add_special_tokens=False)
-                 + [tokenizer.eos_token_id]) for r in sft_rows]
+    def target(row: dict) -> str:
+        query = f"```sql\n{row['query']}\n```"
+        return f"{linked_schema(prompts.schema(row['db_id']), row['query'])}\n{query}" if args.link else query
+
+    examples = [(prompts.ids(r), tokenizer.encode(target(r), add_special_tokens=False) + [tokenizer.eos_token_id])
+                for r in sft_rows]
     print(f"{len(examples)} examples, {sum(len(p) for p, _ in examples) / len(examples):.0f} prompt tokens on "
           f"average; {len(held_out)} held-out questions", flush=True)
     began = time.perf_counter()
     losses = fine_tune(model, examples, args, tokenizer.pad_token_id or tokenizer.eos_token_id)
     seconds = {"sft": time.perf_counter() - began}
     began = time.perf_counter()
-    scores = {"training_sample": answer(model, tokenizer, prompts, train_sample, "training questions"),
-              "held_out": answer(model, tokenizer, prompts, held_out, "held-out questions")}
+    budget = 192 if args.link else 96
+    scores = {"training_sample": answer(model, tokenizer, prompts, train_sample, "training questions", budget),
+              "held_out": answer(model, tokenizer, prompts, held_out, "held-out questions", budget)}
     seconds["answers"] = time.perf_counter() - began
     (args.out / "plain_sft.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "losses": losses, "seconds": seconds, **scores},
