@@ -64,19 +64,24 @@ class Prompts:
 
 
 def micro_batch_loss(model, pairs: list[tuple[list[int], list[int]]], pad_id: int, autocast: bool) -> torch.Tensor:
-    """Summed cross-entropy of the completions (prompt positions masked), right-padded."""
+    """Summed cross-entropy of the completions. Left-padded, so every completion ends at the last position and
+    logits are computed for the last (longest completion + 1) positions only: over a whole batch a 262k-token
+    vocabulary (Gemma 3) needs tens of GB for them."""
     length = max(len(p) + len(c) for p, c in pairs)
+    keep = max(len(c) for _, c in pairs) + 1
     ids = torch.full((len(pairs), length), pad_id)          # [B, L]
-    labels = torch.full((len(pairs), length), -100)        # [B, L]
     mask = torch.zeros((len(pairs), length), dtype=torch.long)
+    labels = torch.full((len(pairs), keep - 1), -100)      # [B, K-1]: the tokens at positions L-K+1 .. L-1
     for i, (prompt, completion) in enumerate(pairs):
         tokens = prompt + completion
-        ids[i, :len(tokens)] = torch.tensor(tokens)
-        mask[i, :len(tokens)] = 1
-        labels[i, len(prompt):len(tokens)] = torch.tensor(completion)
+        ids[i, length - len(tokens):] = torch.tensor(tokens)
+        mask[i, length - len(tokens):] = 1
+        labels[i, keep - 1 - len(completion):] = torch.tensor(completion)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)         # each sequence counts from 0 at its first token
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()  # [B, L-1, V]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                       logits_to_keep=keep).logits[:, :-1].float()  # [B, K-1, V]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
                                              ignore_index=-100, reduction="sum")
 
 
