@@ -48,6 +48,7 @@ from spider_synth import round_robin, synthesize
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("singer", "poker_player", "tvshow")
 SQL_LABEL = "```sql\n{query}\n```"
+LINKED_LABEL = "{link}\n" + SQL_LABEL  # with --link: the schema lines the query needs, copied first
 # The answers to each agent's successive calls on a labelled question; agents not named answer the query only.
 DEMONSTRATIONS = {"sql_agent": [SQL_LABEL, "THE QUERY IS CORRECT"]}
 
@@ -65,10 +66,24 @@ def linked_schema(schema: str, query: str) -> str:
     return "\n".join(line for _, line in sorted(found))
 
 
-def agent_command(name: str) -> str:
+def with_links(rows: list[dict], data: Path) -> list[dict]:
+    """`rows` with their `link` field: linked_schema of the schema the sql_agent shows for the row's database
+    (read from `data`, which holds renamed copies too) and of the row's gold query."""
+    sys.path.insert(0, str(REPO / "examples" / "sql_agent"))
+    from agent import read_schema
+
+    schemas: dict[str, str] = {}
+    for row in rows:
+        if row["db_id"] not in schemas:
+            schemas[row["db_id"]] = read_schema(str(database_path(data, row["db_id"])))
+    return [{**row, "link": linked_schema(schemas[row["db_id"]], row["query"])} for row in rows]
+
+
+def agent_command(name: str, max_tokens: int | None = None) -> str:
+    """The example agent's command line; `max_tokens` (sql_agent only) raises its answer length from 96."""
     bin_dir = Path(sys.executable).parent
     return (f"{bin_dir / 'opentelemetry-instrument'} {sys.executable} {REPO / 'examples' / name / 'agent.py'} "
-            "--question {question} --db {db_path}")
+            "--question {question} --db {db_path}" + (f" --max-tokens {max_tokens}" if max_tokens else ""))
 
 
 FIRST_ANSWERS = """
@@ -193,6 +208,9 @@ def main() -> None:
     parser.add_argument("--renamed", type=int, default=0, help="this many SFT questions asked again on renamed "
                         "copies of their databases (benchmarks/spider_rename.py), so that names must be read from the "
                         "schema in the prompt rather than recalled")
+    parser.add_argument("--link", action="store_true", help="every SFT answer copies the schema lines of the "
+                        "tables its query names before the query (linked_schema; LangGraph agent only; answers get "
+                        "192 tokens unless --max-tokens says otherwise)")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r16) instead of all weights")
     parser.add_argument("--lr", type=float, help="GRPO learning rate (default 1e-5; LoRA 5e-5)")
@@ -202,11 +220,14 @@ def main() -> None:
     parser.add_argument("--model", help="the policy to start from: a local Hugging Face model folder with a chat "
                         "template (benchmarks/gemma_model.py writes one); default: the bundled SmolLM2-135M")
     parser.add_argument("--concurrency", type=int, default=3, help="agents running at once")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, help="answer length (default 96; with --link 192)")
     parser.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
     args = parser.parse_args()
     if args.repair and args.agent != "sql_agent":
         parser.error("--repair walks the LangGraph agent's review and rewrite steps: use it with --agent sql_agent")
+    if args.link and args.agent != "sql_agent":
+        parser.error("--link needs an agent that takes --max-tokens (its linked answers are longer): --agent sql_agent")
+    args.max_tokens = args.max_tokens or (192 if args.link else 96)
     args.lr = args.lr or (5e-5 if args.lora else 1e-5)
     args.sft_lr = args.sft_lr or (2e-4 if args.lora else 5e-5)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +239,9 @@ def main() -> None:
         data = args.out / "data"
         print(f"{len(rows)} SFT questions with those on renamed databases; databases in {data}", flush=True)
         write(rows, tasks["sft"])
-    agent = agent_command(args.agent)
+    if args.link:
+        write(with_links(read_rows(tasks["sft"]), data), tasks["sft"])
+    agent = agent_command(args.agent, args.max_tokens if args.link else None)
     python = default_engine_python()
     base = resolve_model(args.model, python)
     engine = VLLMEngine(EngineConfig(model_dir=base, python=python,
@@ -266,9 +289,12 @@ def main() -> None:
             print(label, "first vs final answer:", json.dumps(answers[label]), flush=True)
 
         run_eval("base", "base" if args.model is None else str(base))
+        labels, repair_labels = DEMONSTRATIONS.get(args.agent, [SQL_LABEL]), REPAIR_LABELS
+        if args.link:  # every answer that writes the gold query copies its schema lines first
+            labels, repair_labels = ([LINKED_LABEL if x == SQL_LABEL else x for x in xs] for xs in (labels, repair_labels))
         settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(args.out / "run"),
                         n=args.n, tasks_per_round=args.tasks_per_round, max_tokens=args.max_tokens,
-                        sft_tasks=str(tasks["sft"]), sft_label=DEMONSTRATIONS.get(args.agent, [SQL_LABEL]),
+                        sft_tasks=str(tasks["sft"]), sft_label=labels,
                         sft_epochs=args.sft_epochs,
                         lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=8,
                         concurrency=args.concurrency, temperature=args.temperature,
@@ -287,7 +313,7 @@ def main() -> None:
             repairs = write(repair_tasks(read_rows(tasks["sft"]), lambda db_id: database_path(data, db_id),
                                          args.repair), args.out / "repair.jsonl")
             run, label, start = args.out / "run-repair", "sft+repair", Path(warm)
-            settings.update(output_dir=str(run), model=warm, sft_tasks=str(repairs), sft_label=REPAIR_LABELS,
+            settings.update(output_dir=str(run), model=warm, sft_tasks=str(repairs), sft_label=repair_labels,
                             sft_untrained=REPAIR_UNTRAINED)
             engine.stop()
             engine = VLLMEngine(EngineConfig(model_dir=start, python=python, log_path=args.out / "engine.log"))

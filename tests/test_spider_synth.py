@@ -67,7 +67,7 @@ def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_ou
 def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agent_still_reads_the_query():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sql_agent"))
     from agent import extract_sql, read_schema
-    from learning import linked_schema, read_rows
+    from learning import LINKED_LABEL, linked_schema, read_rows, with_links
 
     data = bundled_data_dir()
     schema = read_schema(str(database_path(data, "student_transcripts_tracking")))
@@ -77,7 +77,8 @@ def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agen
     # in the order named; case-insensitive; Student_Enrolment is only a prefix of the table named, not itself named
     assert linked_schema(schema, query) == "\n".join([lines["Students"], lines["Student_Enrolment_Courses"]])
     assert linked_schema(schema, "SELECT 1") == ""
-    for row in read_rows(data / "dev.jsonl")[:200]:  # real gold queries: every one names a table of its schema
-        linked = linked_schema(read_schema(str(database_path(data, row["db_id"]))), row["query"])
-        assert linked, row
-        assert extract_sql(f"{linked}\n```sql\n{row['query']}\n```") == " ".join(row["query"].split())
+    rows = read_rows(data / "dev.jsonl")[:200]
+    for row in with_links(rows, data):  # real gold queries: every one names a table of its schema
+        assert row["link"] and set(row["link"].splitlines()) <= set(
+            read_schema(str(database_path(data, row["db_id"]))).splitlines()), row
+        assert extract_sql(LINKED_LABEL.format(**row)) == " ".join(row["query"].split())

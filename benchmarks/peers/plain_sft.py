@@ -15,7 +15,7 @@ backward under bf16 autocast (fp32 weights and AdamW; about 1.6x faster on a CPU
 `--renamed N` adds N of the SFT questions asked on renamed copies of their databases
 (benchmarks/spider_rename.py), so names have to be read from the schema in the prompt.
 `--link` makes every target copy the schema lines of the tables its query names before the query (schema
-linking as the answer's first step, `learning.linked_schema`); the agent's `extract_sql` still reads the query.
+linking as the answer's first step, `learning.with_links`); the agent's `extract_sql` still reads the query.
 Writes `plain_sft.json` (arguments, losses, accuracy with its 95% Wilson interval, every answer) into --out.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
-from learning import linked_schema, read_rows, split  # noqa: E402
+from learning import LINKED_LABEL, SQL_LABEL, read_rows, split, with_links  # noqa: E402
 from spider_rename import with_renamed  # noqa: E402
 from spider_synth import ID_PREFIX  # noqa: E402
 
@@ -49,13 +49,11 @@ class Prompts:
     def __init__(self, tokenizer, data: Path) -> None:
         self.tokenizer, self.data, self.schemas = tokenizer, data, {}
 
-    def schema(self, db_id: str) -> str:
+    def text(self, row: dict) -> str:
+        db_id = row["db_id"]
         if db_id not in self.schemas:
             self.schemas[db_id] = read_schema(str(database_path(self.data, db_id)))
-        return self.schemas[db_id]
-
-    def text(self, row: dict) -> str:
-        messages = [{"role": "system", "content": WRITE.format(schema=self.schema(row["db_id"]))},
+        messages = [{"role": "system", "content": WRITE.format(schema=self.schemas[db_id])},
                     {"role": "user", "content": row["question"]}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -180,12 +178,11 @@ def main() -> None:
         model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
                                                  lora_dropout=0.0))
     prompts = Prompts(tokenizer, data)
-    def target(row: dict) -> str:
-        query = f"```sql\n{row['query']}\n```"
-        return f"{linked_schema(prompts.schema(row['db_id']), row['query'])}\n{query}" if args.link else query
-
-    examples = [(prompts.ids(r), tokenizer.encode(target(r), add_special_tokens=False) + [tokenizer.eos_token_id])
-                for r in sft_rows]
+    if args.link:
+        sft_rows = with_links(sft_rows, data)
+    label = LINKED_LABEL if args.link else SQL_LABEL
+    examples = [(prompts.ids(r), tokenizer.encode(label.format(**r), add_special_tokens=False)
+                 + [tokenizer.eos_token_id]) for r in sft_rows]
     print(f"{len(examples)} examples, {sum(len(p) for p, _ in examples) / len(examples):.0f} prompt tokens on "
           f"average; {len(held_out)} held-out questions", flush=True)
     began = time.perf_counter()

@@ -122,9 +122,10 @@ def main() -> None:
     parser.add_argument("--db", required=True, help="SQLite database file")
     parser.add_argument("--model", default="gpt-4o-mini")
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="the longest answer of each call")
     args = parser.parse_args()
 
-    llm = ChatOpenAI(model=args.model, temperature=args.temperature, max_tokens=MAX_TOKENS)  # OPENAI_* env
+    llm = ChatOpenAI(model=args.model, temperature=args.temperature, max_tokens=args.max_tokens)  # OPENAI_* env
     final = build_graph(llm).invoke({"question": args.question, "schema": read_schema(args.db), "db": args.db})
     print(f"result: {final.get('result', '')}")
     print(final.get("sql", ""))
