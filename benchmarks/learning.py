@@ -17,6 +17,8 @@ from that run, and its evaluation is labelled sft+repair+grpo.
 With --renamed N, N of the SFT questions are asked again on renamed copies of their databases
 (benchmarks/spider_rename.py: other table and column names, the gold query rewritten), mixed into the SFT set;
 the run's data folder is then --out/data (the bundled databases and the copies).
+With --link every SFT answer that writes a gold query (and the repair pass's rewrite) first copies the schema
+lines of the tables that query names (linked_schema), and the agent gets 192 tokens per answer.
 All weights are trained (--lora: a LoRA adapter). benchmarks/peers/plain_sft.py is the reference without the
 agent: plain single-turn SFT on the same split.
 Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out databases are the dev
