@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("singer", "poker_player", "tvshow")
 SQL_LABEL = "```sql\n{query}\n```"
 LINKED_LABEL = "{link}\n" + SQL_LABEL  # with --link: the schema lines the query needs, copied first
+LINKED_MAX_TOKENS = 192  # a linked answer's length: its schema lines run ~38 tokens on average, up to ~135
 # The answers to each agent's successive calls on a labelled question; agents not named answer the query only.
 DEMONSTRATIONS = {"sql_agent": [SQL_LABEL, "THE QUERY IS CORRECT"]}
 
@@ -229,7 +230,7 @@ def main() -> None:
         parser.error("--repair walks the LangGraph agent's review and rewrite steps: use it with --agent sql_agent")
     if args.link and args.agent != "sql_agent":
         parser.error("--link needs an agent that takes --max-tokens (its linked answers are longer): --agent sql_agent")
-    args.max_tokens = args.max_tokens or (192 if args.link else 96)
+    args.max_tokens = args.max_tokens or (LINKED_MAX_TOKENS if args.link else 96)
     args.lr = args.lr or (5e-5 if args.lora else 1e-5)
     args.sft_lr = args.sft_lr or (2e-4 if args.lora else 5e-5)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -293,7 +294,8 @@ def main() -> None:
         run_eval("base", "base" if args.model is None else str(base))
         labels, repair_labels = DEMONSTRATIONS.get(args.agent, [SQL_LABEL]), REPAIR_LABELS
         if args.link:  # every answer that writes the gold query copies its schema lines first
-            labels, repair_labels = ([LINKED_LABEL if x == SQL_LABEL else x for x in xs] for xs in (labels, repair_labels))
+            labels, repair_labels = ([LINKED_LABEL if x == SQL_LABEL else x for x in xs]
+                                     for xs in (labels, repair_labels))
         settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(args.out / "run"),
                         n=args.n, tasks_per_round=args.tasks_per_round, max_tokens=args.max_tokens,
                         sft_tasks=str(tasks["sft"]), sft_label=labels,

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
-from learning import LINKED_LABEL, SQL_LABEL, read_rows, split, with_links  # noqa: E402
+from learning import LINKED_LABEL, LINKED_MAX_TOKENS, SQL_LABEL, read_rows, split, with_links  # noqa: E402
 from spider_rename import with_renamed  # noqa: E402
 from spider_synth import ID_PREFIX  # noqa: E402
 
@@ -154,8 +154,8 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast for forward and backward")
     parser.add_argument("--model", help="a local Hugging Face model folder with a chat template (default: the "
                         "bundled SmolLM2-135M)")
-    parser.add_argument("--link", action="store_true", help="targets copy the schema lines of the tables the "
-                        "gold query names before the query (learning.linked_schema); answers get 192 tokens")
+    parser.add_argument("--link", action="store_true", help="targets copy the schema lines of the tables the gold "
+                        f"query names before the query (learning.with_links); answers get {LINKED_MAX_TOKENS} tokens")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,7 @@ def main() -> None:
     losses = fine_tune(model, examples, args, tokenizer.pad_token_id or tokenizer.eos_token_id)
     seconds = {"sft": time.perf_counter() - began}
     began = time.perf_counter()
-    budget = 192 if args.link else 96
+    budget = LINKED_MAX_TOKENS if args.link else 96
     scores = {"training_sample": answer(model, tokenizer, prompts, train_sample, "training questions", budget),
               "held_out": answer(model, tokenizer, prompts, held_out, "held-out questions", budget)}
     seconds["answers"] = time.perf_counter() - began
