@@ -84,7 +84,8 @@ def micro_batch_loss(model, pairs: list[tuple[list[int], list[int]]], pad_id: in
 
 
 def fine_tune(model, examples: list[tuple[list[int], list[int]]], args, pad_id: int) -> list[float]:
-    """AdamW at a constant rate, `args.batch` examples a step (two micro-batches), gradient norm clipped at 1."""
+    """AdamW at a constant rate, `args.batch` examples a step (micro-batches of `args.micro_batch`), gradient norm
+    clipped at 1."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     steps = int(len(examples) * args.epochs / args.batch)
@@ -101,8 +102,8 @@ def fine_tune(model, examples: list[tuple[list[int], list[int]]], args, pad_id: 
                        key=lambda pair: len(pair[0]) + len(pair[1]))  # similar lengths share a micro-batch
         tokens = sum(len(c) for _, c in batch)
         total = 0.0
-        for half in (batch[:args.batch // 2], batch[args.batch // 2:]):
-            loss = micro_batch_loss(model, half, pad_id, args.autocast) / tokens
+        for start in range(0, len(batch), args.micro_batch):
+            loss = micro_batch_loss(model, batch[start:start + args.micro_batch], pad_id, args.autocast) / tokens
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -150,6 +151,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=8, help="examples in one forward pass (memory: 4 for "
+                        "Gemma 3's 262k-token vocabulary with --link)")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast for forward and backward")
     parser.add_argument("--model", help="a local Hugging Face model folder with a chat template (default: the "
