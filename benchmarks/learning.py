@@ -72,7 +72,8 @@ def linked_schema(schema: str, query: str) -> str:
 def with_links(rows: list[dict], data: Path) -> list[dict]:
     """`rows` with their `link` field: linked_schema of the schema the sql_agent shows for the row's database
     (read from `data`, which holds renamed copies too) and of the row's gold query."""
-    sys.path.insert(0, str(REPO / "examples" / "sql_agent"))
+    if str(REPO / "examples" / "sql_agent") not in sys.path:
+        sys.path.insert(0, str(REPO / "examples" / "sql_agent"))
     from agent import read_schema
 
     schemas: dict[str, str] = {}
