@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ from lightning_otel.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 from spider_rename import with_renamed
-from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, repair_tasks
+from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, TOKEN, repair_tasks
 from spider_synth import round_robin, synthesize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,13 +59,9 @@ def linked_schema(schema: str, query: str) -> str:
     """The lines of `schema` (one `table(column, ...)` per line, the sql_agent's format) whose table `query`
     names, in the order the query first names them: an answer that copies these before its query has every
     name it needs written just before it (schema linking as the answer's first step)."""
-    found = []
-    for line in schema.splitlines():
-        table = line.split("(", 1)[0]
-        named = re.search(rf"(?<![\w.]){re.escape(table)}(?!\w)", query, re.IGNORECASE)
-        if table and named:
-            found.append((named.start(), line))
-    return "\n".join(line for _, line in sorted(found))
+    lines = {line.split("(", 1)[0].lower(): line for line in schema.splitlines()}
+    # the words of the query as spider_repair reads them (quoted text is not a name), in order, each line once
+    return "\n".join(dict.fromkeys(lines[word.lower()] for word in TOKEN.findall(query) if word.lower() in lines))
 
 
 def with_links(rows: list[dict], data: Path) -> list[dict]:
