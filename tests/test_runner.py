@@ -247,7 +247,8 @@ def test_scripted_answers_walk_a_multi_turn_agent_along_its_labelled_path(engine
                                                                             for t in rows])
     prompts = call_prompts(db_path, [r.rollout_id for r in summary.results])
     by_id = {t.task_id: t for t in load_tasks(tasks)}
-    demos, short = demonstration_rows(summary.results, by_id, answers, prompts, tokenizer)
+    walked = {r.task_id: r.rollout_id for r in summary.results}
+    demos, short = demonstration_rows(walked, by_id, answers, prompts, tokenizer)
     assert short == 0 and [d["turn"] for d in demos] == [0, 1, 0, 1]
     for result, first, second in zip(summary.results, demos[::2], demos[1::2]):
         fix_prompt = tokenizer.decode(second["prompt_ids"])
@@ -256,7 +257,7 @@ def test_scripted_answers_walk_a_multi_turn_agent_along_its_labelled_path(engine
         assert tokenizer.decode(second["completion_ids"], skip_special_tokens=True) == \
             f"```sql\n{by_id[result.task_id].fields['query']}\n```"
     # A repair path: the wrong first answer is only there to be repaired, so only the fix is trained.
-    repaired, _ = demonstration_rows(summary.results, by_id, answers, prompts, tokenizer, untrained=[0])
+    repaired, _ = demonstration_rows(walked, by_id, answers, prompts, tokenizer, untrained=[0])
     assert [d["turn"] for d in repaired] == [1, 1] and repaired == demos[1::2]
     # A third call would be refused: a script of one answer stops the agent after its first call.
     one = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}} "

@@ -93,7 +93,8 @@ def test_the_langgraph_agent_walks_the_repair_path_and_only_the_repair_is_traine
     assert sorted(len(p) for p in prompts.values()) == [4, 4]
     tokenizer = AutoTokenizer.from_pretrained(engine.config.model_dir)
     by_id = {t.task_id: t for t in load_tasks(tasks)}
-    rows, short = demonstration_rows(summary.results, by_id, REPAIR_LABELS, prompts, tokenizer, REPAIR_UNTRAINED)
+    walked = {r.task_id: r.rollout_id for r in summary.results}
+    rows, short = demonstration_rows(walked, by_id, REPAIR_LABELS, prompts, tokenizer, REPAIR_UNTRAINED)
     assert short == 0 and [r["turn"] for r in rows] == [1, 2, 3, 1, 2, 3]
     for result, review, rewrite in zip(summary.results, rows[::3], rows[1::3]):
         task = by_id[result.task_id].fields

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_otel.errors import UserError
+from lightning_otel.span_store import client
 from lightning_otel.runner import load_tasks
 from lightning_otel.train.config import TrainConfig, load_config
 from lightning_otel.train.trainer import Trainer, round_tasks
@@ -68,6 +69,7 @@ def test_config_layers_defaults_file_and_key_values(tmp_path):
     (["bf16=maybe"], "is not true/false"),
     (["bf16=true", "autocast=true"], "set one of them"),
     (["micro_batch_tokens=-1"], "micro_batch_tokens >= 0"),
+    (["sft_save_tasks=0"], "sft_save_tasks must be >= 1"),
     (["share_prefix=-2"], "share_prefix >= 0"),
     (["temperature=0"], "rollouts must sample"),
     (['sft_label=["{query}", 3]'], "a non-empty list of texts"),
@@ -230,6 +232,54 @@ def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
     drawn = [json.loads(line)["id"] for line in (run / "rounds" / "round-0002" / "tasks.jsonl").read_text().splitlines()]
     assert drawn == expected
     assert not (run / killed_at["last"] / "state").exists()  # round 1's optimizer state was dropped after round 2
+
+
+
+def killed_once(command: list[str], ready: Path) -> None:
+    """Start `command` and SIGKILL it (its whole process group) as soon as `ready` exists."""
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and run.poll() is None and not ready.is_file():
+        time.sleep(0.05)
+    assert run.poll() is None, f"the run ended before it could be killed:\n{run.stdout.read().decode()[-3000:]}"
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait(30)
+
+
+def test_a_warm_start_killed_twice_walks_and_trains_only_what_it_had_not_saved(engine, tmp_path):
+    sft = spider_tasks(tmp_path / "sft.jsonl", 6, "singer")
+    run = tmp_path / "run"
+    walked, trained = run / "rounds" / "sft" / "walked.jsonl", run / "rounds" / "sft" / "trained.json"
+    command = [str(BIN / "lightning-otel"), "train", f"agent={AGENT}", f"sft_tasks={sft}", "sft_save_tasks=2",
+               "sft_save_steps=2", "sft_epochs=3", "rounds=0", "batch_size=2", "micro_batch=2", "max_tokens=16",
+               "lora_rank=8", f"output_dir={run}", f"engine_url={engine.url}", "concurrency=2"]
+    # 1. killed while walking the labelled tasks, after the first stretch of 2 was saved
+    killed_once(command, walked)
+    saved = [json.loads(line) for line in walked.read_text().splitlines()]
+    assert 2 <= len(saved) < 6, f"killed after {len(saved)} of 6 tasks were saved"
+    changed = saved[0]["task_id"]  # a task edited since: its saved walk no longer fits it, it is walked again
+    rows = [json.loads(line) for line in sft.read_text().splitlines()]
+    next(r for r in rows if r["id"] == changed)["question"] += " List them."
+    sft.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # 2. killed while training (9 steps: 3 epochs of 6 demonstrations in steps of 2), after a saved state
+    killed_once(command, trained)
+    steps_saved = json.loads(trained.read_text())["steps"]
+    assert steps_saved in (2, 4, 6, 8)
+    # 3. to the end
+    third = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-3000:]
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["phase"] == "sft" and record["sft_examples"] == 6 and math.isfinite(record["loss"])
+    assert record["sft_walked_earlier"] == 6 and record["sft_resumed_at_step"] == steps_saved  # walked nothing
+    assert record["steps"] == 9 - steps_saved and record["optimizer_steps_total"] == 9  # the optimizer state came back
+    final = {e["task_id"]: e["rollout_id"] for e in map(json.loads, walked.read_text().splitlines())}
+    assert list(final) == [r["id"] for r in rows]  # every task once, in the file's order
+    kept = {e["task_id"]: e["rollout_id"] for e in saved[1:]}
+    assert {t: final[t] for t in kept} == kept and final[changed] != saved[0]["rollout_id"]
+    walks = dict(client.query("SELECT task_id, count(*) AS n FROM rollout_runs GROUP BY 1", run / "traces.duckdb")
+                 .iter_rows())
+    assert all(walks[t] == 1 for t in kept) and walks[changed] == 2
+    assert not trained.exists() and not list((run / "checkpoints").glob("sft-partial-*"))
 
 
 @pytest.mark.heavy

@@ -76,6 +76,10 @@ class TrainConfig:
                                       # trained on, e.g. a deliberately wrong first query the agent must repair
     sft_epochs: int = 1
     sft_lr: float = 1e-4
+    sft_save_tasks: int = 64          # labelled tasks walked between two saves of the prompt collection: a killed
+                                      # run walks again only the tasks after the last save (train/sft.py)
+    sft_save_steps: int = 20          # SFT optimizer steps between two saves of the learner's state: a killed run
+                                      # trains on from the last save (0: no saves)
     # validation
     val_tasks: str = ""
     val_every: int = 1
@@ -102,6 +106,8 @@ class TrainConfig:
             (self.epochs >= 1 and self.sft_epochs >= 0, "epochs must be >= 1 and sft_epochs >= 0"),
             (self.max_tokens >= 1 and self.max_length > self.max_tokens, "need max_length > max_tokens >= 1"),
             (self.val_every >= 1, "val_every must be >= 1"),
+            (self.sft_save_tasks >= 1, "sft_save_tasks must be >= 1 (labelled tasks between saves)"),
+            (self.sft_save_steps >= 0, "sft_save_steps must be >= 0 (optimizer steps between saves; 0: none)"),
             (not (self.bf16 and self.autocast), "bf16 and autocast are both set: bf16 already computes in bf16 "
                                                 "(with bf16 weights); set one of them"),
             (isinstance(self.sft_label, str) or (isinstance(self.sft_label, list) and self.sft_label and all(

@@ -105,8 +105,10 @@ def epoch_order(rows: list[dict], rng: random.Random,
 
 
 def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective: str, seed: int,
-             epochs: int = 1, progress: Callable[[int, int], None] | None = None) -> StepStats:
-    """Run `epochs` shuffled passes of optimizer steps over `rows` (transition dicts)."""
+             epochs: int = 1, progress: Callable[[int, int], None] | None = None, start_step: int = 0) -> StepStats:
+    """Run `epochs` shuffled passes of optimizer steps over `rows` (transition dicts). `start_step` skips the
+    first steps of that same order (the learner's state was saved after them); `progress(step, total)` follows
+    every step, counted from the first."""
     loss_fn = OBJECTIVES[objective]
     stats = StepStats()
     usable = [r for r in rows if fits(r, config.max_length)]
@@ -119,12 +121,16 @@ def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective:
     learner.train_mode(True)
     started = time.perf_counter()
     groups = prompt_groups(usable, config.share_prefix) if config.group_steps and config.share_prefix else None
+    step = 0
     for _ in range(epochs):
         shuffled = epoch_order(usable, order, groups)
         for start in range(0, len(shuffled), config.batch_size):
+            step += 1
+            if step <= start_step:
+                continue
             _step(learner, shuffled[start:start + config.batch_size], config, loss_fn, stats)
             if progress:
-                progress(stats.steps, total)
+                progress(step, total)
     stats.seconds = time.perf_counter() - started
     return stats
 

@@ -11,7 +11,8 @@ the engine as policy version r. An optional SFT warm start runs before round 1 (
 The run folder: config.toml (resolved config), run.json (progress: rounds completed, last and best
 checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
 tensorboard/, reward_curve.png, traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model,
-state}. Randomness is derived from (seed, round), so a resumed round draws the same tasks and batch order.
+state}; while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*; train/sft.py).
+Randomness is derived from (seed, round), so a resumed round draws the same tasks and batch order.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from lightning_otel.train.optimize import optimize
 
 log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url",
-                     "share_prefix", "micro_batch_tokens"}
+                     "share_prefix", "micro_batch_tokens", "sft_save_tasks", "sft_save_steps"}
 
 
 class RunFolder:
@@ -177,14 +178,18 @@ class Trainer:
     # ---- rollouts ----------------------------------------------------------------------------------------
 
     def rollouts(self, tasks_file: Path, n: int, label: str, temperature: float | None, max_tokens: int,
-                 max_calls: int | None = None, reward: bool = True, answers: list[str] | None = None):
+                 max_calls: int | None = None, reward: bool = True, answers: list[str] | None = None,
+                 progress: Callable[[int, int], None] | None = None):
+        """Run `n` rollouts of every task in `tasks_file`; `progress(done, total)` replaces the default report
+        (this call's rollouts under `label`) when a phase spans several calls."""
         c = self.config
+        progress = progress or (lambda done, total: self.progress(label, done, total))
         config = RolloutConfig(tasks=tasks_file, agent=c.agent, n=n, concurrency=c.concurrency, db=self.db,
                                reward=c.reward if reward else None,
                                data_dir=Path(c.data_dir) if c.data_dir else None,
                                timeout_s=c.agent_timeout_s, max_tokens=max_tokens, temperature=temperature,
                                work_dir=self.folder.path / "work", max_calls=max_calls, answers=answers)
-        return run_rollouts(config, lambda result, done, total: self.progress(label, done, total), engine=self.engine)
+        return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine)
 
     # ---- the run -----------------------------------------------------------------------------------------
 
@@ -198,12 +203,13 @@ class Trainer:
         elif not state["last"] and (c.rounds or c.sft_tasks) and self.engine.policy_version != 0:
             self.engine.use_base()  # a fresh run starts from the base model, whatever a shared engine served
         if c.sft_tasks and not state["sft_done"]:
-            from lightning_otel.train.sft import warm_start
+            from lightning_otel.train.sft import drop_partial, warm_start
 
             record = warm_start(self)
             self._checkpoint(state, "sft")
             state["sft_done"] = True
             self._commit(state, {"round": 0, "phase": "sft", **record})
+            drop_partial(self.folder.path)
         for r in range(state["rounds_completed"], c.rounds):
             record = self.train_round(r, state)
             self._checkpoint(state, f"round-{r + 1:04d}")
