@@ -22,7 +22,10 @@ lines of the tables that query names (linked_schema), and the agent gets 192 tok
 All weights are trained (--lora: a LoRA adapter). benchmarks/peers/plain_sft.py is the reference without the
 agent: plain single-turn SFT on the same split.
 Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out databases are the dev
-databases listed in HELD_OUT; nothing of them is trained on.
+databases listed in HELD_OUT; nothing of them is trained on. A killed run resumes when the same command runs
+again: the SFT walk and training from their last saves, GRPO from its last round, and a finished evaluation is
+kept (same weights, agent script and questions); an evaluation cut short starts over, which is why the base
+model's comes last.
 """
 from __future__ import annotations
 
@@ -218,6 +221,8 @@ def main() -> None:
                         "autocast): ~1.6x faster steps on a CPU with AVX512-BF16")
     parser.add_argument("--model", help="the policy to start from: a local Hugging Face model folder with a chat "
                         "template (benchmarks/gemma_model.py writes one); default: the bundled SmolLM2-135M")
+    parser.add_argument("--micro-batch", type=int, default=8, help="examples in one forward pass (memory: 4 for "
+                        "Gemma 3 270M with --link, whose 262k-token vocabulary makes the logits large)")
     parser.add_argument("--concurrency", type=int, default=3, help="agents running at once")
     parser.add_argument("--max-tokens", type=int, help="answer length (default 96; with --link 192)")
     parser.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
@@ -273,7 +278,7 @@ def main() -> None:
                 print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
             else:
                 began = time.perf_counter()
-                if policy.adapter is None and policy.version:  # merged weights: the engine restarts on them
+                if policy.adapter is None:  # full weights (the base model's or merged): the engine restarts on them
                     engine.load_model(policy.base_model, policy.version)
                 summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=report.parent,
                                               model=model, max_tokens=args.max_tokens, temperature=0.0,
@@ -287,7 +292,6 @@ def main() -> None:
             answers[label] = first_answer_accuracy(report.parent / "traces.duckdb", summary)
             print(label, "first vs final answer:", json.dumps(answers[label]), flush=True)
 
-        run_eval("base", "base" if args.model is None else str(base))
         labels, repair_labels = DEMONSTRATIONS.get(args.agent, [SQL_LABEL]), REPAIR_LABELS
         if args.link:  # every answer that writes the gold query copies its schema lines first
             labels, repair_labels = ([LINKED_LABEL if x == SQL_LABEL else x for x in xs]
@@ -296,7 +300,7 @@ def main() -> None:
                         n=args.n, tasks_per_round=args.tasks_per_round, max_tokens=args.max_tokens,
                         sft_tasks=str(tasks["sft"]), sft_label=labels,
                         sft_epochs=args.sft_epochs,
-                        lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=8,
+                        lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=args.micro_batch,
                         concurrency=args.concurrency, temperature=args.temperature,
                         data_dir=str(data) if args.renamed else "",  # "": the bundled data
                         full_finetune=not args.lora, serve_merged=args.lora, autocast=args.autocast,
@@ -327,6 +331,8 @@ def main() -> None:
         timings["grpo"] = time.perf_counter() - began
         last = run / json.loads((run / "run.json").read_text())["last"]
         run_eval(f"{label}+grpo", weights(last, start))
+        # Last: the only phase a killed run must redo from its start (the walk and the training resume).
+        run_eval("base", "base" if args.model is None else str(base))
     finally:
         engine.stop()
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
