@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.runner import Task, check_templates, format_answer, load_tasks
 from lightning_otel.span_store import client
 from lightning_otel.train.optimize import optimize
-from lightning_otel.train.trainer import write_tasks
+from lightning_otel.train.trainer import write_atomically, write_tasks
 
 log = logging.getLogger(__name__)
 SQL_PROMPTS = """
@@ -118,11 +117,9 @@ def walk_labelled(trainer, tasks: list[Task], labels: list[str]) -> tuple[dict[s
             write_tasks(todo[start:start + step], folder / "tasks.jsonl"), 1, "sft prompts", None, 1, reward=False,
             answers=labels, progress=lambda done, _: trainer.progress("sft prompts", len(walked) + done, len(tasks)))
         walked = in_file_order({**walked, **{r.task_id: r.rollout_id for r in summary.results}})
-        partial = record.with_suffix(".tmp")
-        partial.write_text("".join(json.dumps({"task_id": task_id, "rollout_id": rollout_id,
-                                               "digest": digests[task_id]}) + "\n"
-                                   for task_id, rollout_id in walked.items()))
-        os.replace(partial, record)
+        write_atomically(record, "".join(json.dumps({"task_id": task_id, "rollout_id": rollout_id,
+                                                     "digest": digests[task_id]}) + "\n"
+                                         for task_id, rollout_id in walked.items()))
     return walked, len(earlier)
 
 
@@ -171,10 +168,8 @@ def save_partial(trainer, rows: list[dict], step: int) -> None:
     save leaves that one whole), then rounds/sft/trained.json pointing at it."""
     slot = f"checkpoints/sft-partial-{step // trainer.config.sft_save_steps % 2}"
     trainer.learner.save_state(trainer.folder.path / slot / "state")
-    record = trainer.folder.path / "rounds" / "sft" / "trained.json"
-    partial = record.with_suffix(".tmp")
-    partial.write_text(json.dumps({"steps": step, "state": f"{slot}/state", "rows": rows_digest(rows)}))
-    os.replace(partial, record)
+    write_atomically(trainer.folder.path / "rounds" / "sft" / "trained.json",
+                     json.dumps({"steps": step, "state": f"{slot}/state", "rows": rows_digest(rows)}))
 
 
 def resume_training(trainer, rows: list[dict]) -> int:

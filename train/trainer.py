@@ -42,6 +42,13 @@ RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "e
                      "share_prefix", "micro_batch_tokens", "sft_save_tasks", "sft_save_steps"}
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """A kill leaves either the old file or the new one, never a part."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 class RunFolder:
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -51,9 +58,7 @@ class RunFolder:
         return json.loads(self.run_json.read_text()) if self.run_json.is_file() else {}
 
     def save(self, state: dict) -> None:
-        tmp = self.run_json.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        os.replace(tmp, self.run_json)
+        write_atomically(self.run_json, json.dumps(state, indent=2))
 
     def checkpoint(self, name: str) -> Path:
         return self.path / "checkpoints" / name
