@@ -16,7 +16,9 @@ which trains the reviewer to reject a query SQLite refuses and the rewrite step 
 from that run, and its evaluation is labelled sft+repair+grpo.
 With --renamed N, N of the SFT questions are asked again on renamed copies of their databases
 (benchmarks/spider_rename.py: other table and column names, the gold query rewritten), mixed into the SFT set;
-the run's data folder is then --out/data (the bundled databases and the copies).
+the run's data folder is then --out/data (the bundled databases and the copies). With --grpo-renamed every GRPO
+question is asked on a second renamed copy of its database (other names than the SFT copies'), so a rewarded
+answer is one that read its names off the schema in the prompt, as a held-out question needs.
 With --link every SFT answer that writes a gold query (and the repair pass's rewrite) first copies the schema
 lines of the tables that query names (linked_schema), and the agent gets 192 tokens per answer.
 All weights are trained (--lora: a LoRA adapter). benchmarks/peers/plain_sft.py is the reference without the
@@ -45,12 +47,13 @@ from lightning_otel.span_store import client
 from lightning_otel.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
-from spider_rename import with_renamed
+from spider_rename import renamed_tasks, with_renamed
 from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, TOKEN, repair_tasks
 from spider_synth import round_robin, synthesize
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("singer", "poker_player", "tvshow")
+GRPO_RENAMED = "_grpo"  # the suffix of the GRPO questions' renamed copies (--grpo-renamed)
 SQL_LABEL = "```sql\n{query}\n```"
 LINKED_LABEL = "{link}\n" + SQL_LABEL  # with --link: the schema lines the query needs, copied first
 LINKED_MAX_TOKENS = 192  # a linked answer's length: its schema lines run ~38 tokens on average, up to ~135
@@ -210,6 +213,9 @@ def main() -> None:
     parser.add_argument("--renamed", type=int, default=0, help="this many SFT questions asked again on renamed "
                         "copies of their databases (benchmarks/spider_rename.py), so that names must be read from the "
                         "schema in the prompt rather than recalled")
+    parser.add_argument("--grpo-renamed", action="store_true", help="every GRPO question asked on a renamed copy "
+                        "of its database that SFT never showed (a renaming of its own); questions whose gold query "
+                        "cannot be carried over are left out")
     parser.add_argument("--link", action="store_true", help="every SFT answer copies the schema lines of the "
                         "tables its query names before the query (linked_schema; LangGraph agent only; answers get "
                         "192 tokens unless --max-tokens says otherwise)")
@@ -240,9 +246,16 @@ def main() -> None:
     data = bundled_data_dir()
     if args.renamed:  # the run reads its databases (and the copies) from out/data; evaluation from the bundled ones
         rows = with_renamed(read_rows(tasks["sft"]), data, args.out / "data", args.renamed)
-        data = args.out / "data"
-        print(f"{len(rows)} SFT questions with those on renamed databases; databases in {data}", flush=True)
+        print(f"{len(rows)} SFT questions with those on renamed databases; databases in {args.out / 'data'}",
+              flush=True)
         write(rows, tasks["sft"])
+    if args.grpo_renamed:
+        asked = read_rows(tasks["grpo"])
+        rows = renamed_tasks(asked, data, args.out / "data", len(asked), seed=1, suffix=GRPO_RENAMED)
+        print(f"{len(rows)} of {len(asked)} GRPO questions asked on renamed copies", flush=True)
+        write(rows, tasks["grpo"])
+    if args.renamed or args.grpo_renamed:
+        data = args.out / "data"
     if args.link:
         write(with_links(read_rows(tasks["sft"]), data), tasks["sft"])
     agent = agent_command(args.agent, args.max_tokens if args.link else None)
@@ -302,7 +315,7 @@ def main() -> None:
                         sft_epochs=args.sft_epochs,
                         lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=args.micro_batch,
                         concurrency=args.concurrency, temperature=args.temperature,
-                        data_dir=str(data) if args.renamed else "",  # "": the bundled data
+                        data_dir=str(data) if args.renamed or args.grpo_renamed else "",  # "": the bundled data
                         full_finetune=not args.lora, serve_merged=args.lora, autocast=args.autocast,
                         model="bundled" if args.model is None else str(base))
         began = time.perf_counter()

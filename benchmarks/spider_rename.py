@@ -112,21 +112,21 @@ def same_answer(original: Path, renamed: Path, query: str, rewritten: str, timeo
     return before == after
 
 
-def renamed_tasks(rows: list[dict], source: Path, out: Path, count: int, seed: int = 0) -> list[dict]:
+def renamed_tasks(rows: list[dict], source: Path, out: Path, count: int, seed: int = 0,
+                  suffix: str = SUFFIX) -> list[dict]:
     """Up to `count` of the labelled `rows` (with db_id and query), taken from each database in turn, asked on a
     renamed copy of their database; `out` becomes a Spider-layout data folder with every database of the
     Spider-layout folder `source` and the copies. Each row keeps its fields; its id gets "-renamed", its db_id
-    the suffix "_renamed", its query the new names."""
+    the suffix "_renamed", its query the new names. Another `suffix` (and `seed`) writes a second set of copies
+    beside the first, renamed otherwise: a call leaves the copies other suffixes made in `out`."""
     if out.resolve() == source.resolve():
         raise ValueError(f"{out} is the source data folder: give renamed_tasks another folder to write")
     rng = random.Random(seed)
-    if (out / "database").exists():
-        shutil.rmtree(out / "database")
-    shutil.copytree(source / "database", out / "database")
+    shutil.copytree(source / "database", out / "database", dirs_exist_ok=True)
     renames: dict[str, dict[str, str]] = {}
     for db_id in dict.fromkeys(row["db_id"] for row in rows):
         mapping = renaming(database_path(source, db_id), rng)
-        renames[db_id] = rename_database(database_path(source, db_id), database_path(out, db_id + SUFFIX), mapping)
+        renames[db_id] = rename_database(database_path(source, db_id), database_path(out, db_id + suffix), mapping)
     made = []
     for row in by_database(rows):
         if len(made) >= count:
@@ -134,8 +134,8 @@ def renamed_tasks(rows: list[dict], source: Path, out: Path, count: int, seed: i
         db_id = row["db_id"]
         rewritten = replace_words(row["query"], renames[db_id])
         if rewritten != row["query"] and same_answer(database_path(source, db_id),
-                                                     database_path(out, db_id + SUFFIX), row["query"], rewritten):
-            made.append({**row, "id": f"{row['id']}-renamed", "db_id": db_id + SUFFIX, "query": rewritten})
+                                                     database_path(out, db_id + suffix), row["query"], rewritten):
+            made.append({**row, "id": f"{row['id']}-{suffix.strip('_')}", "db_id": db_id + suffix, "query": rewritten})
     return made
 
 

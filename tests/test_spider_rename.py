@@ -110,3 +110,23 @@ def test_the_sft_mix_takes_renamed_questions_in_turn_with_the_originals(tmp_path
     assert database_path(tmp_path / "data", "network_1" + SUFFIX).is_file()
     assert [r["id"] for r in mixed] == [x for r in rows[:3] for x in (r["id"], r["id"] + "-renamed")] + \
         [r["id"] for r in rows[3:]]
+
+
+def test_a_second_renaming_is_written_beside_the_first_under_other_names(tmp_path):
+    # learning.py --renamed and --grpo-renamed: the SFT copies and the GRPO questions' own copies in one folder.
+    rows = rows_of("network_1")
+    first = renamed_tasks(rows, bundled_data_dir(), tmp_path, count=10)
+    second = renamed_tasks(rows, bundled_data_dir(), tmp_path, count=10, seed=1, suffix="_grpo")
+    assert first and second
+    assert {r["db_id"] for r in second} == {"network_1_grpo"} and all(r["id"].endswith("-grpo") for r in second)
+    one, two = (database_path(tmp_path, "network_1" + s) for s in (SUFFIX, "_grpo"))
+    assert one.is_file() and two.is_file()  # the second call left the first copy in place
+    names_one, names_two = ({n.lower() for n in sum(schema_names(db), [])} for db in (one, two))
+    original = {n.lower() for n in sum(schema_names(database_path(bundled_data_dir(), "network_1")), [])}
+    assert names_two != names_one and not names_two & original
+    gold = {r["id"]: r["query"] for r in rows}
+    source = database_path(bundled_data_dir(), "network_1")
+    for row in first + second:  # each set's queries answer on its own copy as the gold query does on the original
+        original_id = row["id"].rsplit("-", 1)[0]
+        assert run_query(database_path(tmp_path, row["db_id"]), row["query"], 5) == run_query(source,
+                                                                                              gold[original_id], 5)
