@@ -40,6 +40,7 @@ from pathlib import Path
 
 from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
+from lightning_otel.eval.report import paired_comparison, paired_line
 from lightning_otel.model import resolve_model
 from lightning_otel.policy import resolve_policy
 from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec
@@ -348,12 +349,19 @@ def main() -> None:
         run_eval("base", "base" if args.model is None else str(base))
     finally:
         engine.stop()
+    # Each policy against the one it was trained from, question by question (eval's paired comparison).
+    chain = ["base", "sft"] + (["sft+repair"] if args.repair else []) + [f"{label}+grpo"]
+    reports = {name: json.loads((args.out / f"eval-{name}" / "summary.json").read_text()) for name in chain}
+    paired = {f"{after} vs {before}": paired_comparison(reports[after], reports[before])
+              for before, after in zip(chain, chain[1:])}
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "held_out": HELD_OUT, "accuracy": results,
-                                                        "first_vs_final_answer": answers,
+                                                        "paired": paired, "first_vs_final_answer": answers,
                                                         "seconds": timings}, indent=2))
-    for label, entry in results.items():
-        print(f"{label:>10}: {entry}")
+    for name, entry in results.items():
+        print(f"{name:>10}: {entry}")
+    for pair, entry in paired.items():
+        print(f"{pair}: {paired_line(entry)}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Callable
 from lightning_otel.errors import UserError
 from lightning_otel.eval.metrics import REWARD, compute_metrics
 from lightning_otel.eval.plots import write_plots
-from lightning_otel.eval.report import comparison_rows, read_rounds, read_summary, write_report
+from lightning_otel.eval.report import comparison_rows, paired_comparison, read_rounds, read_summary, write_report
 from lightning_otel.policy import Policy, resolve_policy
 from lightning_otel.rewards import bundled_data_dir
 from lightning_otel.runner import RolloutConfig, RolloutResult, check_inputs, load_tasks, run_rollouts
@@ -161,7 +161,8 @@ def evaluate(config: EvalConfig, engine=None,
     summary["rounds"] = read_rounds(policy.run_dir)
     if baseline is not None:
         summary["baseline"] = {"path": str(config.baseline), "label": baseline["policy"]["label"],
-                               "comparison": comparison_rows(summary, baseline)}
+                               "comparison": comparison_rows(summary, baseline),
+                               "paired": paired_comparison(summary, baseline)}
     try:
         summary["plots"] = write_plots(summary, baseline, config.report)
     except Exception as exc:  # a plot must never cost the report of a finished evaluation

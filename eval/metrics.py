@@ -122,6 +122,14 @@ def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]
     return (0.0 if correct == 0 else max(0.0, center - half)), (1.0 if correct == n else min(1.0, center + half))
 
 
+def sign_test_p(better: int, worse: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least this uneven between `better` and `worse` if
+    either were equally likely (ties left out). With one sample a task this is McNemar's exact test."""
+    m = better + worse
+    tail = sum(math.comb(m, k) for k in range(min(better, worse) + 1)) / 2 ** m
+    return min(1.0, 2 * tail)
+
+
 def hardness_key(name: str) -> tuple[int, str]:
     return (HARDNESS_ORDER.index(name), name) if name in HARDNESS_ORDER else (len(HARDNESS_ORDER), name)
 

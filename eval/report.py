@@ -1,5 +1,6 @@
 """The evaluation report: summary.json (every number, the config, the policy), report.md (tables) and the
-PNG plots (eval/plots.py). A baseline is another report's summary.json, compared metric by metric."""
+PNG plots (eval/plots.py). A baseline is another report's summary.json, compared metric by metric and task by
+task."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import logging
 from pathlib import Path
 
 from lightning_otel.errors import UserError
-from lightning_otel.eval.metrics import FAILURE_CLASSES, hardness_key
+from lightning_otel.eval.metrics import FAILURE_CLASSES, hardness_key, sign_test_p
 
 log = logging.getLogger(__name__)
 SUMMARY = "summary.json"
@@ -88,6 +89,41 @@ def comparison_rows(summary: dict, baseline: dict) -> list[dict]:
     return rows
 
 
+def task_rates(summary: dict) -> dict[str, float]:
+    """Task id -> share of its scored episodes that were right (unscored episodes left out)."""
+    rewards: dict[str, list[float]] = {}
+    for episode in summary.get("episodes") or []:
+        if episode.get("reward") is not None:
+            rewards.setdefault(episode["task_id"], []).append(1.0 if episode["reward"] == 1.0 else 0.0)
+    return {task: sum(values) / len(values) for task, values in rewards.items()}
+
+
+def paired_comparison(summary: dict, baseline: dict) -> dict:
+    """Task by task on the tasks both evaluations scored: on how many this one did better, worse, the same
+    (share of right episodes), and the exact sign test's p-value over the tasks that differ. Two accuracies
+    on the same questions are compared this way because their intervals overlap even when one policy wins
+    on nearly every question where they differ."""
+    ours, theirs = task_rates(summary), task_rates(baseline)
+    common = sorted(set(ours) & set(theirs))
+    better = sum(ours[t] > theirs[t] for t in common)
+    worse = sum(ours[t] < theirs[t] for t in common)
+    return {"tasks": len(common), "better": better, "worse": worse, "same": len(common) - better - worse,
+            "p_value": sign_test_p(better, worse) if common else None,
+            "only_here": len(set(ours) - set(theirs)), "only_baseline": len(set(theirs) - set(ours))}
+
+
+def paired_line(paired: dict) -> str:
+    """The paired comparison in one sentence."""
+    if not paired["tasks"]:
+        return (f"No task was scored by both evaluations ({paired['only_here']} here, {paired['only_baseline']} in "
+                f"the baseline): evaluate both on the same task file to compare them task by task.")
+    line = (f"Paired on the {paired['tasks']} tasks both scored: better on {paired['better']}, worse on "
+            f"{paired['worse']}, the same on {paired['same']}; exact sign test p = {paired['p_value']:.3g}")
+    if paired["only_here"] or paired["only_baseline"]:
+        line += f" ({paired['only_here']} tasks only here and {paired['only_baseline']} only in the baseline left out)"
+    return line + "."
+
+
 def _fmt(value, digits: int = 3) -> str:
     if value is None:
         return "-"
@@ -155,6 +191,8 @@ def render_markdown(summary: dict) -> str:
     if summary.get("baseline"):
         base = summary["baseline"]
         lines += [f"## Against the baseline: {base['label']}", "", f"Baseline report: `{base['path']}`", ""]
+        if base.get("paired"):
+            lines += [paired_line(base["paired"]), ""]
         lines += _table(["metric", "this", "baseline", "delta"],
                         [[r["metric"], _fmt(r["value"]), _fmt(r["baseline"]), _fmt(r["delta"])]
                          for r in base["comparison"]])

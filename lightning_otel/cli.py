@@ -308,6 +308,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from lightning_otel.eval import EvalConfig, evaluate
+    from lightning_otel.eval.report import paired_line
 
     config = EvalConfig(tasks=args.tasks, agent=args.agent, report=args.report, model=args.model, n=args.n,
                         baseline=args.baseline, db=args.db, data_dir=args.data_dir, max_tokens=args.max_tokens,
@@ -333,6 +334,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         first = summary["baseline"]["comparison"][0]
         delta = "-" if first["delta"] is None else f"{100 * first['delta']:+.1f} points"
         print(f"against baseline {summary['baseline']['label']}: accuracy {delta}")
+        if summary["baseline"].get("paired"):
+            print(f"  {paired_line(summary['baseline']['paired'])}")
     print(f"report: {args.report / 'report.md'} (summary.json, plots; traces in {config.db})")
     return 0
 

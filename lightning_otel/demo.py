@@ -175,7 +175,9 @@ class _EnvDefault:
 
 
 def comparison_table(before: dict, after: dict) -> str:
-    """Before/after in a few lines for the terminal."""
+    """Before/after in a few lines for the terminal, and the two compared question by question."""
+    from lightning_otel.eval.report import paired_comparison, paired_line
+
     def accuracy(summary: dict, key: str | None = None) -> str:
         entry = summary["accuracy"]["overall"] if key is None else summary["accuracy"]["by_hardness"].get(key)
         if not entry or entry.get("accuracy") is None:
@@ -192,4 +194,5 @@ def comparison_table(before: dict, after: dict) -> str:
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':<{width}}  {'before':>18}  {'after':>18}"]
     lines += [f"{name:<{width}}  {b:>18}  {a:>18}" for name, b, a in rows]
+    lines += [paired_line(paired_comparison(after, before))]
     return "\n".join(lines)

@@ -21,6 +21,9 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert before["rollouts"] == after["rollouts"] == 2
     assert before["policy"]["label"] == "base" and after["policy"]["adapter"]
     assert after["baseline"]["comparison"]
+    paired = after["baseline"]["paired"]
+    assert paired["tasks"] == 2 and paired["better"] + paired["worse"] + paired["same"] == 2
+    assert "Paired on the 2 tasks both scored" in result.stdout
     run = json.loads((folder / "run" / "run.json").read_text())
     assert run["sft_done"] and run["rounds_completed"] == 1
     phases = [json.loads(line)["phase"] for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]

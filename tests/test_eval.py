@@ -17,8 +17,8 @@ import pytest
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.eval import EvalConfig, evaluate
-from lightning_otel.eval.metrics import classify, wilson_interval
-from lightning_otel.eval.report import comparison_rows, read_rounds
+from lightning_otel.eval.metrics import classify, sign_test_p, wilson_interval
+from lightning_otel.eval.report import comparison_rows, paired_comparison, paired_line, read_rounds
 from lightning_otel.model import bundled_model_dir
 from lightning_otel.policy import resolve_policy
 from lightning_otel.rewards import bundled_data_dir, database_path
@@ -216,6 +216,22 @@ def test_eval_of_a_run_serves_its_best_checkpoint_and_compares_with_a_baseline(e
         summary["transitions_per_episode"]["mean"] - baseline["transitions_per_episode"]["mean"])
     text = (config.report / "report.md").read_text()
     assert "## Against the baseline: base" in text and "| accuracy (all) |" in text
+    # Task by task: a recount from the two evaluations' own stores (the baseline's tasks are a superset).
+    rates = []
+    for store, ids in ((config.db, summary), (base_config.db, baseline)):
+        with duckdb.connect(str(store), read_only=True) as con:
+            rows = con.execute("SELECT r.task_id, avg(CASE WHEN w.value = 1.0 THEN 1.0 ELSE 0.0 END) FROM rollouts r "
+                               "JOIN rewards w ON w.rollout_id = r.rollout_id AND w.name = 'spider_exec' "
+                               "AND w.span_id IS NULL WHERE r.rollout_id IN (SELECT unnest(?)) GROUP BY r.task_id",
+                               [[e["rollout_id"] for e in ids["episodes"]]]).fetchall()
+        rates.append(dict(rows))
+    common = set(rates[0]) & set(rates[1])
+    paired = summary["baseline"]["paired"]
+    assert paired["tasks"] == len(common) == len(rates[0]) > 0
+    assert paired["better"] == sum(rates[0][t] > rates[1][t] for t in common)
+    assert paired["worse"] == sum(rates[0][t] < rates[1][t] for t in common)
+    assert paired["only_baseline"] == len(set(rates[1]) - common) and paired["only_here"] == 0
+    assert f"Paired on the {len(common)} tasks both scored" in text
 
 
 # ---- model resolution on real folders ---------------------------------------------------------------
@@ -379,6 +395,34 @@ def test_comparison_rows_are_value_minus_baseline():
     assert rows["accuracy (easy)"] == {"metric": "accuracy (easy)", "value": 0.75, "baseline": None, "delta": None}
     assert rows["transitions per episode (mean)"]["delta"] == pytest.approx(0.5)
     assert rows["share correct"]["value"] == 0.5 and rows["share correct"]["delta"] == 0.0
+
+
+def test_the_sign_test_is_mcnemars_exact_test_on_discordant_pairs():
+    # Values as scipy.stats.binomtest(k, n, 0.5).pvalue gives them (two-sided).
+    assert sign_test_p(4, 1) == pytest.approx(0.375)
+    assert sign_test_p(13, 3) == pytest.approx(0.0212708, abs=1e-6)
+    assert sign_test_p(9, 21) == sign_test_p(21, 9) == pytest.approx(0.0427739, abs=1e-6)
+    assert sign_test_p(0, 6) == pytest.approx(2 / 64)
+    assert sign_test_p(3, 3) == sign_test_p(0, 0) == 1.0
+
+
+def test_paired_comparison_goes_task_by_task():
+    def summary(*episodes: tuple[str, float | None]) -> dict:
+        return {"episodes": [{"task_id": task, "reward": reward} for task, reward in episodes]}
+
+    # With -n 2 a task's share of right samples is compared; unscored episodes do not count; tasks in one
+    # evaluation only are left out and counted.
+    ours = summary(("a", 1.0), ("a", 0.0), ("b", 1.0), ("b", 1.0), ("c", 0.0), ("c", None), ("d", 0.0), ("e", 1.0))
+    theirs = summary(("a", 0.0), ("a", 0.0), ("b", 1.0), ("b", 1.0), ("c", 1.0), ("d", 0.0), ("f", 1.0))
+    paired = paired_comparison(ours, theirs)
+    assert paired == {"tasks": 4, "better": 1, "worse": 1, "same": 2, "p_value": 1.0, "only_here": 1,
+                      "only_baseline": 1}
+    line = paired_line(paired)
+    assert line.startswith("Paired on the 4 tasks both scored: better on 1, worse on 1, the same on 2; exact sign "
+                           "test p = 1") and "1 tasks only here and 1 only in the baseline left out" in line
+    apart = paired_comparison(summary(("x", 1.0)), summary(("y", 0.0)))
+    assert apart["tasks"] == 0 and apart["p_value"] is None
+    assert "evaluate both on the same task file" in paired_line(apart)
 
 
 def test_rounds_come_from_grpo_lines_of_metrics_jsonl(tmp_path):
