@@ -124,6 +124,31 @@ def paired_line(paired: dict) -> str:
     return line + "."
 
 
+def terminal_summary(summary: dict) -> str:
+    """The evaluation in a few lines for the terminal: accuracy with its interval, overall and by hardness,
+    episode shape and outcomes, and the comparison with the baseline when there is one."""
+    def pct(entry: dict) -> str:
+        if entry.get("accuracy") is None:
+            return "-"
+        low, high = entry["ci95"]
+        return (f"{100 * entry['accuracy']:.1f}% [{100 * low:.1f}, {100 * high:.1f}] "
+                f"({entry['correct']}/{entry['scored']})")
+
+    acc = summary["accuracy"]
+    lines = [f"policy {summary['policy']['label']}: execution accuracy {pct(acc['overall'])}"]
+    lines += [f"  {level:<8} {pct(entry)}" for level, entry in acc["by_hardness"].items()]
+    lines.append(f"transitions per episode {summary['transitions_per_episode']['mean'] or 0:.2f}, tokens per "
+                 f"episode {summary['tokens_per_episode']['total'] or 0:.0f}; outcomes: "
+                 + ", ".join(f"{k}={v}" for k, v in summary["failure_classes"].items() if v))
+    if summary.get("baseline"):
+        first = summary["baseline"]["comparison"][0]
+        delta = "-" if first["delta"] is None else f"{100 * first['delta']:+.1f} points"
+        lines.append(f"against baseline {summary['baseline']['label']}: accuracy {delta}")
+        if summary["baseline"].get("paired"):
+            lines.append(f"  {paired_line(summary['baseline']['paired'])}")
+    return "\n".join(lines)
+
+
 def _fmt(value, digits: int = 3) -> str:
     if value is None:
         return "-"

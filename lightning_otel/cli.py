@@ -308,34 +308,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from lightning_otel.eval import EvalConfig, evaluate
-    from lightning_otel.eval.report import paired_line
+    from lightning_otel.eval.report import terminal_summary
 
     config = EvalConfig(tasks=args.tasks, agent=args.agent, report=args.report, model=args.model, n=args.n,
                         baseline=args.baseline, db=args.db, data_dir=args.data_dir, max_tokens=args.max_tokens,
                         concurrency=args.concurrency, timeout_s=args.timeout, temperature=args.temperature)
     print("eval config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()), file=sys.stderr)
     summary = evaluate(config, progress=Progress("eval").update).summary
-    acc = summary["accuracy"]
-
-    def pct(entry: dict) -> str:
-        if entry.get("accuracy") is None:
-            return "-"
-        low, high = entry["ci95"]
-        return (f"{100 * entry['accuracy']:.1f}% [{100 * low:.1f}, {100 * high:.1f}] "
-                f"({entry['correct']}/{entry['scored']})")
-
-    print(f"policy {summary['policy']['label']}: execution accuracy {pct(acc['overall'])}")
-    for level, entry in acc["by_hardness"].items():
-        print(f"  {level:<8} {pct(entry)}")
-    print(f"transitions per episode {summary['transitions_per_episode']['mean'] or 0:.2f}, tokens per episode "
-          f"{summary['tokens_per_episode']['total'] or 0:.0f}; outcomes: "
-          + ", ".join(f"{k}={v}" for k, v in summary["failure_classes"].items() if v))
-    if summary.get("baseline"):
-        first = summary["baseline"]["comparison"][0]
-        delta = "-" if first["delta"] is None else f"{100 * first['delta']:+.1f} points"
-        print(f"against baseline {summary['baseline']['label']}: accuracy {delta}")
-        if summary["baseline"].get("paired"):
-            print(f"  {paired_line(summary['baseline']['paired'])}")
+    print(terminal_summary(summary))
     print(f"report: {args.report / 'report.md'} (summary.json, plots; traces in {config.db})")
     return 0
 

@@ -18,7 +18,8 @@ from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.eval.metrics import classify, sign_test_p, wilson_interval
-from lightning_otel.eval.report import comparison_rows, paired_comparison, paired_line, read_rounds
+from lightning_otel.eval.report import (comparison_rows, paired_comparison, paired_line, read_rounds,
+                                        terminal_summary)
 from lightning_otel.model import bundled_model_dir
 from lightning_otel.policy import resolve_policy
 from lightning_otel.rewards import bundled_data_dir, database_path
@@ -423,6 +424,32 @@ def test_paired_comparison_goes_task_by_task():
     apart = paired_comparison(summary(("x", 1.0)), summary(("y", 0.0)))
     assert apart["tasks"] == 0 and apart["p_value"] is None
     assert "evaluate both on the same task file" in paired_line(apart)
+
+
+def test_the_terminal_summary_gives_accuracy_with_its_interval_and_the_paired_comparison():
+    def summary(label: str, rewards: list[float]) -> dict:
+        correct = int(sum(rewards))
+        entry = {"rollouts": len(rewards), "scored": len(rewards), "correct": correct,
+                 "accuracy": correct / len(rewards), "ci95": list(wilson_interval(correct, len(rewards)))}
+        return {"policy": {"label": label}, "rollouts": len(rewards),
+                "accuracy": {"overall": entry, "by_hardness": {"easy": entry}},
+                "transitions_per_episode": {"mean": 2.0, "p50": 2.0},
+                "tokens_per_episode": {"prompt": 90.0, "completion": 10.0, "total": 100.0},
+                "latency": {"rollout_s": {}, "llm_call_ms": {}},
+                "failure_classes": {"correct": correct, "sql_error": len(rewards) - correct, "timeout": 0},
+                "episodes": [{"task_id": f"t{i}", "reward": r} for i, r in enumerate(rewards)]}
+
+    ours, theirs = summary("run/checkpoints/round-0002", [1.0] * 6 + [0.0] * 4), summary("base", [0.0] * 10)
+    ours["baseline"] = {"label": "base", "comparison": comparison_rows(ours, theirs),
+                        "paired": paired_comparison(ours, theirs)}
+    lines = terminal_summary(ours).splitlines()
+    assert lines[0] == "policy run/checkpoints/round-0002: execution accuracy 60.0% [31.3, 83.2] (6/10)"
+    assert lines[1].split() == ["easy", "60.0%", "[31.3,", "83.2]", "(6/10)"]
+    assert lines[2] == "transitions per episode 2.00, tokens per episode 100; outcomes: correct=6, sql_error=4"
+    assert lines[3] == "against baseline base: accuracy +60.0 points"
+    assert lines[4].strip() == ("Paired on the 10 tasks both scored: better on 6, worse on 0, the same on 4; "
+                                "exact sign test p = 0.0312.")
+    assert "against baseline" not in terminal_summary(theirs)
 
 
 def test_rounds_come_from_grpo_lines_of_metrics_jsonl(tmp_path):
