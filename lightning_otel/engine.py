@@ -97,9 +97,13 @@ def _die_with_parent() -> None:
 
 # The parent-death signal reaches only the API server; vLLM's engine-core and worker processes below it
 # would outlive a SIGKILLed owner. The engine runs in its own process group, and this watchdog (a child of
-# the owner) kills the whole group as soon as the owner is gone.
+# the owner) kills the whole group as soon as the owner is gone. The watchdog is in a session of its own and
+# ignores interrupts, so a signal to the owner's process group (Ctrl-C, `kill -- -PGID`, a job runner's
+# stop) takes the owner down and leaves the watchdog to clean up after it.
 WATCHDOG = """
 import os, signal, sys, time
+for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
 owner, group = int(sys.argv[1]), int(sys.argv[2])
 while os.getppid() == owner:
     time.sleep(0.5)
@@ -147,7 +151,7 @@ class VLLMEngine:
         self.process = subprocess.Popen(self.command(), env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                         preexec_fn=_die_with_parent, start_new_session=True)
         self.watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(self.process.pid)],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -1,5 +1,6 @@
 """The vLLM engine's whole process tree (API server, engine core, workers) dies with its owner, even when
-the owner is SIGKILLed: the parent-death signal alone reaches only the API server."""
+the owner is SIGKILLed or its whole process group is signalled: the parent-death signal alone reaches only the
+API server."""
 from __future__ import annotations
 
 import os
@@ -29,14 +30,21 @@ def group_members(group: int) -> list[int]:
 
 
 @pytest.mark.heavy
-def test_a_sigkilled_owner_takes_the_engine_core_and_workers_with_it():
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("how", ["SIGKILL to the owner", "SIGTERM to the owner's process group"])
+def test_a_killed_owner_takes_the_engine_core_and_workers_with_it(how):
+    # The owner leads a process group of its own, as a job a shell or job runner starts; a group signal (Ctrl-C,
+    # `kill -- -PGID`) reaches every process in it, and used to take the watchdog down with the owner.
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
     try:
         group = int(owner.stdout.readline())
         members = group_members(group)
         assert len(members) >= 2, f"expected the API server and its engine core in group {group}: {members}"
     finally:
-        os.kill(owner.pid, signal.SIGKILL)
+        if how.startswith("SIGKILL"):
+            os.kill(owner.pid, signal.SIGKILL)
+        else:
+            os.killpg(owner.pid, signal.SIGTERM)
         owner.wait(30)
     deadline = time.monotonic() + 30
     while group_members(group) and time.monotonic() < deadline:
