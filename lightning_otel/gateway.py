@@ -251,8 +251,8 @@ class Gateway:
             index = choice.get("index", len(choices))
             if scripted is not None:
                 choice, logprobs = {**choice, "text": scripted, "finish_reason": "stop", "token_ids": []}, []
-            choices.append({"index": index, "text": choice.get("text", ""), "finish_reason": choice.get("finish_reason"),
-                            "logprobs": None})
+            choices.append({"index": index, "text": choice.get("text", ""),
+                            "finish_reason": choice.get("finish_reason"), "logprobs": None})
             self._record(headers, rollout_id, requested_model, result.get("id"), index,
                          choice.get("prompt_token_ids") or [], choice.get("token_ids") or [], logprobs, started, ended,
                          scripted)

@@ -93,9 +93,9 @@ class HermesToolFormat:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 continue
             arguments = call.get("arguments", {})
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": call["name"],
-                                       "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+                          "function": {"name": call["name"], "arguments": arguments}})
         if not calls:
             return ParsedOutput(text, [])
         content = text[:text.index("<tool_call>")].strip()
