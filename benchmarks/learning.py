@@ -265,7 +265,7 @@ def main() -> None:
     engine = VLLMEngine(EngineConfig(model_dir=base, python=python,
                                      log_path=args.out / "engine.log"))
     engine.start()
-    results, timings, answers = {}, {}, {}
+    results, timings, answers, summaries = {}, {}, {}, {}
     shown: dict[str, int] = {}
 
     def progress(label: str, done: int, total: int) -> None:  # a line per tenth of each phase
@@ -303,6 +303,7 @@ def main() -> None:
                 results[label] = summary["accuracy"]["overall"]
                 timings[f"eval {label}"] = time.perf_counter() - began
                 print(label, json.dumps(results[label]), flush=True)
+            summaries[label] = summary
             answers[label] = first_answer_accuracy(report.parent / "traces.duckdb", summary)
             print(label, "first vs final answer:", json.dumps(answers[label]), flush=True)
 
@@ -351,8 +352,7 @@ def main() -> None:
         engine.stop()
     # Each policy against the one it was trained from, question by question (eval's paired comparison).
     chain = ["base", "sft"] + (["sft+repair"] if args.repair else []) + [f"{label}+grpo"]
-    reports = {name: json.loads((args.out / f"eval-{name}" / "summary.json").read_text()) for name in chain}
-    paired = {f"{after} vs {before}": paired_comparison(reports[after], reports[before])
+    paired = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before])
               for before, after in zip(chain, chain[1:])}
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "held_out": HELD_OUT, "accuracy": results,

@@ -116,9 +116,9 @@ def renamed_tasks(rows: list[dict], source: Path, out: Path, count: int, seed: i
                   suffix: str = SUFFIX) -> list[dict]:
     """Up to `count` of the labelled `rows` (with db_id and query), taken from each database in turn, asked on a
     renamed copy of their database; `out` becomes a Spider-layout data folder with every database of the
-    Spider-layout folder `source` and the copies. Each row keeps its fields; its id gets "-renamed", its db_id
-    the suffix "_renamed", its query the new names. Another `suffix` (and `seed`) writes a second set of copies
-    beside the first, renamed otherwise: a call leaves the copies other suffixes made in `out`."""
+    Spider-layout folder `source` and the copies. Each row keeps its fields; its db_id gets `suffix` ("_renamed"),
+    its id the same without the underscore ("-renamed"), its query the new names. Another `suffix` (and `seed`)
+    writes a second set of copies beside the first, renamed otherwise: a call leaves other suffixes' copies."""
     if out.resolve() == source.resolve():
         raise ValueError(f"{out} is the source data folder: give renamed_tasks another folder to write")
     rng = random.Random(seed)

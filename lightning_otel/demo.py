@@ -175,8 +175,9 @@ class _EnvDefault:
 
 
 def comparison_table(before: dict, after: dict) -> str:
-    """Before/after in a few lines for the terminal, and the two compared question by question."""
-    from lightning_otel.eval.report import paired_comparison, paired_line
+    """Before/after in a few lines for the terminal, and the two compared question by question (the after
+    evaluation's paired comparison with its baseline, the before one)."""
+    from lightning_otel.eval.report import paired_line
 
     def accuracy(summary: dict, key: str | None = None) -> str:
         entry = summary["accuracy"]["overall"] if key is None else summary["accuracy"]["by_hardness"].get(key)
@@ -194,5 +195,5 @@ def comparison_table(before: dict, after: dict) -> str:
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':<{width}}  {'before':>18}  {'after':>18}"]
     lines += [f"{name:<{width}}  {b:>18}  {a:>18}" for name, b, a in rows]
-    lines += [paired_line(paired_comparison(after, before))]
+    lines += [paired_line(after["baseline"]["paired"])]
     return "\n".join(lines)
