@@ -27,7 +27,7 @@ Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out
 databases listed in HELD_OUT; nothing of them is trained on. A killed run resumes when the same command runs
 again: the SFT walk and training from their last saves, GRPO from its last round, and a finished evaluation is
 kept (same weights, agent script and questions); an evaluation cut short starts over, which is why the base
-model's comes last.
+model's comes last (--no-base skips it: it is the same for every run on the same model).
 """
 from __future__ import annotations
 
@@ -233,6 +233,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=3, help="agents running at once")
     parser.add_argument("--max-tokens", type=int, help="answer length (default 96; with --link 192)")
     parser.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
+    parser.add_argument("--no-base", action="store_true", help="skip the base model's evaluation (the longest, "
+                        "and the same for every run on the same model; its paired line is then left out)")
     args = parser.parse_args()
     if args.repair and args.agent != "sql_agent":
         parser.error("--repair walks the LangGraph agent's review and rewrite steps: use it with --agent sql_agent")
@@ -347,11 +349,13 @@ def main() -> None:
         last = run / json.loads((run / "run.json").read_text())["last"]
         run_eval(f"{label}+grpo", weights(last, start))
         # Last: the only phase a killed run must redo from its start (the walk and the training resume).
-        run_eval("base", "base" if args.model is None else str(base))
+        if not args.no_base:
+            run_eval("base", "base" if args.model is None else str(base))
     finally:
         engine.stop()
     # Each policy against the one it was trained from, question by question (eval's paired comparison).
-    chain = ["base", "sft"] + (["sft+repair"] if args.repair else []) + [f"{label}+grpo"]
+    chain = ([] if args.no_base else ["base"]) + ["sft"] + (["sft+repair"] if args.repair else []) + \
+        [f"{label}+grpo"]
     paired = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before])
               for before, after in zip(chain, chain[1:])}
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
