@@ -1,0 +1,62 @@
+"""The engine's precision follows the machine: bf16 where it is native (a GPU, or a CPU with bf16
+instructions), fp32 elsewhere, where PyTorch computes bf16 in a slow fallback."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from lightning_otel.engine import EngineConfig, VLLMEngine, native_bf16
+from lightning_otel.errors import UserError
+
+# /proc/cpuinfo lines as Linux writes them (flags abridged to the vector extensions and their neighbours).
+AVX2_X86 = "flags\t\t: fpu vme sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 rdseed adx sha_ni\n"
+AVX512_NO_BF16 = "flags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni\n"
+SAPPHIRE_RAPIDS = ("flags\t\t: fpu sse2 avx avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+AMX_ONLY = "flags\t\t: fpu sse2 avx avx2 amx_bf16 amx_tile\n"
+NEOVERSE_V1 = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp sve i8mm bf16 dgh\n"
+CORTEX_A72 = "Features\t: fp asimd evtstrm crc32 cpuid\n"
+
+
+@pytest.mark.parametrize("cpuinfo, expected", [
+    (AVX2_X86, False), (AVX512_NO_BF16, False), (SAPPHIRE_RAPIDS, True), (AMX_ONLY, True),
+    (NEOVERSE_V1, True), (CORTEX_A72, False), ("", False),
+    # two processors listed, the second with the flag: any listed processor counts
+    ("processor\t: 0\n" + AVX2_X86 + "\nprocessor\t: 1\n" + SAPPHIRE_RAPIDS, True),
+    # a name that merely contains the letters is not the flag
+    ("flags\t\t: avx2 notbf16 bf16x\nmodel name\t: bf16 emulator\n", False),
+])
+def test_native_bf16_reads_the_cpu_flags(cpuinfo, expected):
+    assert native_bf16(cpuinfo, gpu=False) is expected
+
+
+def test_a_gpu_makes_bf16_native_whatever_the_cpu():
+    assert native_bf16(AVX2_X86, gpu=True) is True
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return tmp_path
+
+
+def test_auto_dtype_is_bf16_only_where_native(model_dir):
+    config = EngineConfig(model_dir=model_dir)
+    assert config.dtype == ("bfloat16" if native_bf16() else "float32")
+    command = VLLMEngine(config).command()
+    assert command[command.index("--dtype") + 1] == config.dtype
+
+
+def test_an_explicit_dtype_is_kept_and_a_wrong_one_says_what_to_use(model_dir):
+    assert EngineConfig(model_dir=model_dir, dtype="bfloat16").dtype == "bfloat16"
+    assert EngineConfig(model_dir=model_dir, dtype="float32").dtype == "float32"
+    with pytest.raises(UserError, match=r"'fp32'.*auto, bfloat16, float16, float32"):
+        EngineConfig(model_dir=model_dir, dtype="fp32")
+
+
+def test_the_running_engine_computes_in_the_chosen_precision(engine):
+    """The shared real engine (conftest) was started with the default: vLLM's own log says what it loaded."""
+    assert engine.config.dtype == ("bfloat16" if native_bf16() else "float32")
+    loaded = set(re.findall(r"dtype=torch\.(\w+)", engine.config.log_path.read_text()))
+    assert loaded == {engine.config.dtype}
