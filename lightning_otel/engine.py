@@ -70,8 +70,8 @@ ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 def native_bf16(cpuinfo: str | None = None, gpu: bool | None = None) -> bool:
     """Whether bf16 arithmetic is native on this machine: an NVIDIA GPU, or a CPU with bf16 instructions.
     Without them (an x86 CPU with AVX2 only, say) PyTorch runs bf16 matrix products in a slow fallback: on a
-    2-core AVX2 machine a 600 x 576 x 1536 product took 43x as long in bf16 as in fp32, and the vLLM engine
-    prefilled 4.5x and decoded 8 streams 2.7x slower in bf16 (benchmarks/RESULTS.md)."""
+    2-core AVX2 machine a 600 x 576 x 1536 product took 44x as long in bf16 as in fp32, and the vLLM engine
+    prefilled 5x and decoded 8 streams 2.2x slower in bf16 (benchmarks/engine_dtype.py, RESULTS.md)."""
     if gpu if gpu is not None else Path("/dev/nvidiactl").exists():
         return True
     if cpuinfo is None:

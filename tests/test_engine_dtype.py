@@ -60,3 +60,18 @@ def test_the_running_engine_computes_in_the_chosen_precision(engine):
     assert engine.config.dtype == ("bfloat16" if native_bf16() else "float32")
     loaded = set(re.findall(r"dtype=torch\.(\w+)", engine.config.log_path.read_text()))
     assert loaded == {engine.config.dtype}
+
+
+@pytest.mark.parametrize("setting", ["autocast", "bf16"])
+def test_the_trainer_warns_about_bf16_on_a_machine_without_it(tmp_path, setting):
+    from lightning_otel.train.config import TrainConfig
+    from lightning_otel.train.learner import slow_bf16_warning
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"question": "How many singers are there?", "db_id": "singer"}) + "\n")
+    config = TrainConfig(tasks=str(tasks), agent="python agent.py --question {question}",
+                         output_dir=str(tmp_path / "run"), **{setting: True})
+    warning = slow_bf16_warning(config, native=False)
+    assert warning and f"Set {setting} = false" in warning
+    assert slow_bf16_warning(config, native=True) is None
+    plain = TrainConfig(tasks=str(tasks), agent="python agent.py --question {question}", output_dir=str(tmp_path))
+    assert slow_bf16_warning(plain, native=False) is None
