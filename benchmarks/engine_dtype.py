@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python, native_bf16
+from lightning_otel.engine import EngineConfig, VLLMEngine, auto_dtype, default_engine_python, native_bf16
 from lightning_otel.model import bundled_model_dir
 
 PROMPT = "singer(Singer_ID, Name, Country, Song_Name, Age) " * 40  # ~600 tokens, a schema-like prompt
@@ -70,8 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    print(f"native bf16 here: {native_bf16()}; the engine's auto dtype: "
-          f"{'bfloat16' if native_bf16() else 'float32'}", flush=True)
+    print(f"native bf16 here: {native_bf16()}; the engine's auto dtype: {auto_dtype()}", flush=True)
     torch.set_num_threads(1)
     fp32, bf16 = matmul_ms(torch.float32), matmul_ms(torch.bfloat16)
     print(f"matmul 600x576x1536, 1 thread: fp32 {fp32:.1f} ms, bf16 {bf16:.1f} ms, bf16/fp32 {bf16 / fp32:.1f}x",

@@ -84,6 +84,11 @@ def native_bf16(cpuinfo: str | None = None, gpu: bool | None = None) -> bool:
     return bool(flags & BF16_CPU_FLAGS)
 
 
+def auto_dtype() -> str:
+    """The engine precision "auto" stands for on this machine."""
+    return "bfloat16" if native_bf16() else "float32"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -111,7 +116,7 @@ class EngineConfig:
         if self.dtype not in ENGINE_DTYPES:
             raise UserError(f"engine dtype {self.dtype!r}: use one of {', '.join(ENGINE_DTYPES)}")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if native_bf16() else "float32"
+            self.dtype = auto_dtype()
         if self.max_model_len < 64:
             raise UserError(f"max_model_len {self.max_model_len} is too small")
 
