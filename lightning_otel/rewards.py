@@ -114,26 +114,49 @@ def spider_exec(task: dict, rollout: dict, timeout_s: float = 10.0) -> float | N
     None when the task has no gold query or database (nothing to score against). A prediction that errors,
     times out or tries to write scores 0.0.
     """
+    shaped = spider_shaped(task, rollout, timeout_s)
+    return None if shaped is None else float(shaped == 1.0)
+
+
+# Partial credit of spider_shaped, by how far the final SQL got (an exact execution match scores 1.0).
+SHAPED = {"no_sql": 0.0, "refused": 0.1, "unknown_name": 0.25, "executes": 0.5}
+UNKNOWN_NAME = re.compile(r"^no such (table|column)|^ambiguous column name", re.IGNORECASE)
+
+
+def sql_outcome(db: Path, sql: str | None, timeout_s: float = 10.0) -> tuple[str, list[tuple] | None]:
+    """How far `sql` gets on `db`: no_sql, refused (a syntax error, a write, a timeout...), unknown_name (valid
+    SQL naming a table or column the schema lacks), or executes, with its rows."""
+    if sql is None:
+        return "no_sql", None
+    try:
+        return "executes", run_query(db, sql, timeout_s)
+    except sqlite3.Error as exc:
+        return ("unknown_name" if UNKNOWN_NAME.search(str(exc)) else "refused"), None
+    except (QueryTimeout, ValueError):
+        return "refused", None
+
+
+def spider_shaped(task: dict, rollout: dict, timeout_s: float = 10.0) -> float | None:
+    """spider_exec with partial credit for SQL that gets part of the way: 1.0 for the gold result, 0.5 for a
+    query that executes with another result, 0.25 for valid SQL naming a table or column the database lacks,
+    0.1 for SQL SQLite refuses otherwise, 0.0 for no SQL at all. For a model that rarely answers right, most
+    GRPO groups of spider_exec score all 0 and give no gradient; these steps separate them."""
     gold_sql, db_id = task.get("query"), task.get("db_id")
     if not gold_sql or not db_id:
         return None
     db = database_path(rollout.get("data_dir") or bundled_data_dir(), db_id)
     if not db.is_file():
         raise UserError(f"database {db} of task {task.get('id')!r} does not exist; check --data-dir")
-    predicted_sql = extract_sql(rollout.get("final_output"))
-    if predicted_sql is None:
-        return 0.0
+    outcome, predicted = sql_outcome(db, extract_sql(rollout.get("final_output")), timeout_s)
+    if outcome != "executes":
+        return SHAPED[outcome]
     gold = run_query(db, gold_sql, timeout_s)
-    try:
-        predicted = run_query(db, predicted_sql, timeout_s)
-    except (sqlite3.Error, QueryTimeout, ValueError):
-        return 0.0
-    return 1.0 if results_match(gold, predicted, ordered=bool(ORDER_BY.search(gold_sql))) else 0.0
+    return 1.0 if results_match(gold, predicted, ordered=bool(ORDER_BY.search(gold_sql))) else SHAPED["executes"]
 
 
 # ---- registry --------------------------------------------------------------------------------------
 
-REGISTRY: dict[str, RewardFunction] = {"spider_exec": spider_exec}
+REGISTRY: dict[str, RewardFunction] = {"spider_exec": spider_exec, "spider_shaped": spider_shaped}
 
 
 def resolve_reward(spec: str) -> RewardFunction:

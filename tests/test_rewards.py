@@ -8,7 +8,7 @@ import pytest
 
 from lightning_otel.errors import UserError
 from lightning_otel.rewards import (bundled_data_dir, call_reward, database_path, resolve_reward, results_match,
-                                   spider_exec)
+                                   spider_exec, spider_shaped)
 
 SINGER = {"id": "t1", "db_id": "singer"}
 
@@ -45,6 +45,34 @@ def score(gold: str, predicted: str | None, **task) -> float | None:
 ])
 def test_spider_exec_pairs(gold, predicted, expected):
     assert score(gold, predicted) == expected
+
+
+@pytest.mark.parametrize("predicted,expected", [
+    ("SELECT count(*) FROM singer", 1.0),
+    ("```sql SELECT count(*) FROM singer```", 1.0),
+    ("SELECT count(*) FROM singer WHERE Birth_Year > 1950", 0.5),  # executes, another result
+    ("SELECT Name FROM singer", 0.5),
+    ("SELECT nope FROM singer", 0.25),  # valid SQL, a column the schema lacks
+    ("SELECT count(*) FROM singers", 0.25),  # a table it lacks
+    ("SELECT Singer_ID FROM singer JOIN song ON singer.Singer_ID = song.Singer_ID", 0.25),  # ambiguous name
+    ("SELEC count(*) FROM singer", 0.1),  # a syntax error
+    ("DELETE FROM singer", 0.1),  # a write: refused by the read-only connection
+    ("SELECT 1; SELECT 2", 0.1),
+    ("The answer is six singers.", 0.1),  # prose is offered to SQLite as SQL, and refused
+    ("", 0.0),
+    (None, 0.0),
+])
+def test_spider_shaped_gives_partial_credit_by_how_far_the_sql_got(predicted, expected):
+    task = {**SINGER, "query": "SELECT count(*) FROM singer"}
+    assert spider_shaped(task, {"final_output": predicted}) == expected
+    assert spider_exec(task, {"final_output": predicted}) == float(expected == 1.0)
+    assert resolve_reward("spider_shaped") is spider_shaped
+
+
+def test_spider_shaped_has_nothing_to_score_without_gold_or_database():
+    assert spider_shaped({"id": "t", "db_id": "singer"}, {"final_output": "SELECT 1"}) is None
+    with pytest.raises(UserError, match="does not exist; check --data-dir"):
+        spider_shaped({"id": "t", "db_id": "nope", "query": "SELECT 1"}, {"final_output": "SELECT 1"})
 
 
 def test_the_database_is_never_changed():

@@ -132,11 +132,12 @@ def trained(engine, tmp_path_factory):
         state = trainer.run()
         after = {n: p.detach().clone() for n, p in trainer.learner.module.named_parameters() if p.requires_grad}
         module = weakref.ref(trainer.learner.module)
-    return config, state, trainable, after, module
+        adam_steps = {int(s["step"]) for s in trainer.learner.base_optimizer().state.values()}
+    return config, state, trainable, after, module, adam_steps
 
 
 def test_a_round_trains_every_parameter_with_a_finite_loss(trained):
-    config, state, before, after, _ = trained
+    config, state, before, after, *_ = trained
     assert state["rounds_completed"] == 1 and state["policy_version"] == 2  # v1 = SFT, v2 = round 1
     unchanged = [n for n in before if torch.equal(before[n], after[n])]
     assert not unchanged, f"{len(unchanged)} trainable tensors did not change, e.g. {unchanged[:3]}"
@@ -149,9 +150,26 @@ def test_a_round_trains_every_parameter_with_a_finite_loss(trained):
     assert grpo["reward_mean"] is not None and grpo["reward_std"] > 0
 
 
+def test_grpo_after_the_warm_start_starts_with_a_fresh_optimizer(trained):
+    config, *_, adam_steps = trained
+    sft, grpo = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert sft["steps"] >= 1 and grpo["optimizer_steps_total"] == sft["steps"] + grpo["steps"]
+    assert adam_steps == {grpo["steps"]}  # Adam counted GRPO's steps only: SFT's state was dropped
+
+
+def test_a_round_reports_the_first_micro_batch_and_the_policy_it_was_served(trained):
+    config, *_ = trained
+    grpo = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()][-1]
+    # Before any update the learner is the policy that sampled (the SFT checkpoint, version 1): the recorded and
+    # recomputed logprobs of its tokens agree, so the PPO ratio is ~1 and nothing is clipped.
+    assert grpo["served_policy_versions"] == [1]
+    assert abs(grpo["first_ratio_mean"] - 1.0) < 0.05 and grpo["first_clip_fraction"] < 0.05
+    assert 0 <= grpo["first_logprob_gap"] < 0.1
+
+
 def test_a_finished_run_gives_its_model_back(trained):
     # A process that trains twice (a warm start, then a continued run from it) must not hold both learners.
-    *_, module = trained
+    module = trained[4]
     gc.collect()
     assert module() is None, "the learner's model is still reachable after the run closed"
 
@@ -160,7 +178,7 @@ def test_the_checkpoint_loads_as_the_trained_adapter(trained):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    config, state, _, after, _ = trained
+    config, state, _, after, *_ = trained
     run = Path(config.output_dir)
     base = AutoModelForCausalLM.from_pretrained(state["model"])
     loaded = PeftModel.from_pretrained(base, run / state["last"] / "adapter")
@@ -173,7 +191,7 @@ def test_the_checkpoint_loads_as_the_trained_adapter(trained):
 
 
 def test_the_engine_serves_the_new_policy_and_records_its_version(trained, engine):
-    _, state, _, _, _ = trained
+    _, state, *_ = trained
     assert engine.policy_version == state["policy_version"] and engine.model_name.endswith(f"-v{state['policy_version']}")
     result = engine.generate("/v1/chat/completions", {"messages": [{"role": "user", "content": "SELECT"}],
                                                       "max_tokens": 4})
@@ -183,7 +201,7 @@ def test_the_engine_serves_the_new_policy_and_records_its_version(trained, engin
 def test_offline_training_on_the_stored_traces(trained, tmp_path):
     from lightning_otel.train.offline import train_offline
 
-    config, _, _, _, _ = trained
+    config, *_ = trained
     db = Path(config.output_dir) / "traces.duckdb"
     offline = TrainConfig(**{**config.__dict__, "output_dir": str(tmp_path / "offline"), "sft_tasks": "",
                              "epochs": 1})
@@ -379,7 +397,7 @@ def test_export_merges_the_adapter_into_a_model_that_computes_the_same_logits(tr
 
     from lightning_otel.serving import export_policy
 
-    config, state, _, _, _ = trained
+    config, state, *_ = trained
     out = export_policy(config.output_dir, tmp_path / "merged", merge=True)
     ids = torch.tensor([[1, 520, 3316, 28, 34, 9]])
     merged = AutoModelForCausalLM.from_pretrained(out)
@@ -400,7 +418,7 @@ def test_serve_puts_the_trained_policy_behind_the_gateway_and_records_its_calls(
     from lightning_otel.serving import serve_policy
     from lightning_otel.span_store import client
 
-    config, state, _, _, _ = trained
+    config, state, *_ = trained
     stop, urls = threading.Event(), []
     db = tmp_path / "served.duckdb"
     thread = threading.Thread(target=serve_policy, kwargs=dict(spec=config.output_dir, port=0, db=db,

@@ -81,8 +81,9 @@ class TrainConfig:
     sft_save_steps: int = 20          # SFT optimizer steps between two saves of the learner's state: a killed run
                                       # trains on from the last save (0: no saves)
     # validation
-    val_tasks: str = ""
+    val_tasks: str = ""               # JSONL tasks scored once before the first round and every val_every rounds
     val_every: int = 1
+    val_temperature: float = 0.0      # sampling temperature of validation rollouts (0: greedy)
 
     def __post_init__(self) -> None:
         calls = 1 if isinstance(self.sft_label, str) else len(self.sft_label or [])
@@ -106,6 +107,7 @@ class TrainConfig:
             (self.epochs >= 1 and self.sft_epochs >= 0, "epochs must be >= 1 and sft_epochs >= 0"),
             (self.max_tokens >= 1 and self.max_length > self.max_tokens, "need max_length > max_tokens >= 1"),
             (self.val_every >= 1, "val_every must be >= 1"),
+            (0 <= self.val_temperature <= 2, f"val_temperature = {self.val_temperature}: choose 0 (greedy) to 2"),
             (self.sft_save_tasks >= 1, "sft_save_tasks must be >= 1 (labelled tasks between saves)"),
             (self.sft_save_steps >= 0, "sft_save_steps must be >= 0 (optimizer steps between saves; 0: none)"),
             (not (self.bf16 and self.autocast), "bf16 and autocast are both set: bf16 already computes in bf16 "

@@ -161,10 +161,30 @@ class Learner:
         """Optimizer and parameters for resuming (DeepSpeed checkpoint)."""
         self.engine.save_checkpoint(str(folder), tag="state")
 
-    def load_state(self, folder: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(folder), tag="state")
+    def load_state(self, folder: Path, optimizer: bool = True) -> None:
+        """Parameters and, with `optimizer`, the optimizer's moments and step counts from a save_state folder.
+        Without it the weights alone are loaded (DeepSpeed refreshes its fp32 copies from them) and the
+        optimizer starts fresh: what a new phase wants, e.g. GRPO after an SFT warm start."""
+        path, _ = self.engine.load_checkpoint(str(folder), tag="state", load_module_only=not optimizer)
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint in {folder}")
+        if not optimizer:
+            self.fresh_optimizer()
+
+    def fresh_optimizer(self) -> None:
+        """Forget the optimizer's state (Adam's moments and step counts): its next step is a first step.
+        SFT's moments are shaped by another loss at another learning rate; carried into GRPO they would steer
+        its first updates (and Adam's bias correction would treat them as a long-running average)."""
+        self.base_optimizer().state.clear()  # torch optimizers rebuild a parameter's state when it is empty
+
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer under DeepSpeed's wrappers (ZeRO keeps its own over the flat fp32 partitions)."""
+        inner = self.optimizer
+        while not isinstance(inner, torch.optim.Optimizer) and getattr(inner, "optimizer", None) is not None:
+            inner = inner.optimizer
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise RuntimeError(f"no torch optimizer under {type(self.optimizer).__name__}")
+        return inner
 
     def close(self) -> None:
         """Give back the model and optimizer memory, and remove the shared-memory buffer DeepSpeed's CPU collective

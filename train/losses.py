@@ -65,6 +65,7 @@ class LossOutput:
     kl: float                 # weighted mean k3 KL (0 without a reference)
     clip_fraction: float      # fraction of trained tokens whose gradient the clipping removed
     ratio_mean: float
+    logprob_gap: float = 0.0  # mean |logp - old_logp| over trained tokens: learner vs sampler disagreement
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         count = trained.sum().clamp(min=1)
         clip_fraction = float(clipped.sum() / count)
         ratio_mean = float((ratio * trained).sum() / count)
-    return LossOutput((per_token * weights).sum(), kl_value, clip_fraction, ratio_mean)
+        gap = float(((logp - old_logp).abs() * trained).sum() / count)
+    return LossOutput((per_token * weights).sum(), kl_value, clip_fraction, ratio_mean, gap)
 
 
 def sft_loss(logp: torch.Tensor, weights: torch.Tensor) -> LossOutput:

@@ -9,7 +9,8 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 SHOWN = ("reward_mean", "success_rate", "transitions_per_episode", "loss", "kl", "clip_fraction",
-         "zero_variance_groups", "rollout_seconds", "train_seconds", "val_reward_mean")
+         "first_ratio_mean", "zero_variance_groups", "rollout_seconds", "train_seconds", "val_reward_mean",
+         "val_accuracy")
 
 
 def format_record(record: dict) -> str:
@@ -58,9 +59,11 @@ class MetricsLog:
 
 
 def plot_rewards(records: list[dict], out: Path) -> Path | None:
-    """Reward mean (+- std) per GRPO round, and validation reward when measured."""
+    """Reward mean (+- std) per GRPO round, and validation reward and accuracy when measured (round 0: the policy
+    the rounds started from)."""
     rounds = [r for r in records if r.get("phase") == "grpo" and r.get("reward_mean") is not None]
-    if not rounds:
+    validated = [r for r in records if r.get("val_reward_mean") is not None]
+    if not rounds and not validated:
         return None
     import matplotlib
 
@@ -73,10 +76,12 @@ def plot_rewards(records: list[dict], out: Path) -> Path | None:
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.plot(x, mean, marker="o", label="rollout reward (mean)")
     axis.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
-    validated = [r for r in rounds if r.get("val_reward_mean") is not None]
     if validated:
         axis.plot([r["round"] for r in validated], [r["val_reward_mean"] for r in validated], marker="s",
                   label="validation reward")
+        scored = [r for r in validated if r.get("val_accuracy") is not None]
+        axis.plot([r["round"] for r in scored], [r["val_accuracy"] for r in scored], marker="^", linestyle="--",
+                  label="validation accuracy")
     axis.set_xlabel("round")
     axis.set_ylabel("reward")
     axis.legend(loc="best")

@@ -15,7 +15,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -37,6 +37,10 @@ class StepStats:
     loss: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     clip_fraction: list[float] = field(default_factory=list)
+    ratio_mean: list[float] = field(default_factory=list)
+    # The first micro-batch runs before any update of the pass: its policy is the one that sampled, so its ratio
+    # should be ~1 and its clip fraction ~0; anything else means the learner and the engine disagree.
+    first: LossOutput | None = None
     seconds: float = 0.0
 
     def summary(self, prefix: str = "") -> dict:
@@ -46,7 +50,11 @@ class StepStats:
         return {f"{prefix}steps": self.steps, f"{prefix}samples": self.samples,
                 f"{prefix}trained_tokens": self.trained_tokens, f"{prefix}skipped_too_long": self.skipped_too_long,
                 f"{prefix}loss": mean(self.loss), f"{prefix}kl": mean(self.kl),
-                f"{prefix}clip_fraction": mean(self.clip_fraction), f"{prefix}train_seconds": self.seconds,
+                f"{prefix}clip_fraction": mean(self.clip_fraction), f"{prefix}ratio_mean": mean(self.ratio_mean),
+                f"{prefix}first_ratio_mean": self.first.ratio_mean if self.first else None,
+                f"{prefix}first_clip_fraction": self.first.clip_fraction if self.first else None,
+                f"{prefix}first_logprob_gap": self.first.logprob_gap if self.first else None,
+                f"{prefix}train_seconds": self.seconds,
                 f"{prefix}tokens_per_second": self.trained_tokens / self.seconds if self.seconds else None}
 
 
@@ -150,6 +158,8 @@ def _step(learner: Learner, rows: list[dict], config: TrainConfig, loss_fn: Obje
         total += float(out.loss.detach())  # weights sum to 1 over the step: the parts add up
         kl += out.kl
         stats.clip_fraction.append(out.clip_fraction)
+        stats.ratio_mean.append(out.ratio_mean)
+        stats.first = stats.first or replace(out, loss=out.loss.detach())
     stats.loss.append(total)
     stats.kl.append(kl)
     stats.steps += 1

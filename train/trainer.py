@@ -134,7 +134,9 @@ class Trainer:
         self.learner = Learner(self.model_dir, c)
         self._stack.callback(self.learner.close)
         if self.state.get("last"):
-            self.learner.load_state(self.folder.path / self.state["last"] / "state")
+            # GRPO's first round after the SFT warm start starts with a fresh optimizer (see run()).
+            grpo_starts = self.state.get("sft_done") and self.state["rounds_completed"] == 0
+            self.learner.load_state(self.folder.path / self.state["last"] / "state", optimizer=not grpo_starts)
             log.info("resuming after %s (round %d of %d)", self.state["last"], self.state["rounds_completed"],
                      c.rounds)
         self.metrics = MetricsLog(self.folder.path)
@@ -215,6 +217,13 @@ class Trainer:
             state["sft_done"] = True
             self._commit(state, {"round": 0, "phase": "sft", **record})
             drop_partial(self.folder.path)
+            self.learner.fresh_optimizer()  # GRPO does not inherit SFT's moments (nor does a resumed run)
+        if c.val_tasks and c.rounds > state["rounds_completed"] and not state.get("validated_start"):
+            # The curve's first point: the policy GRPO starts from (the base model, or the SFT warm start).
+            record = {"round": state["rounds_completed"], "phase": "validation",
+                      "policy_version": state["policy_version"], **self.validate(state)}
+            state["validated_start"] = True
+            self._commit(state, record)
         for r in range(state["rounds_completed"], c.rounds):
             record = self.train_round(r, state)
             self._checkpoint(state, f"round-{r + 1:04d}")
@@ -274,6 +283,7 @@ class Trainer:
             "success_rate": sum(1 for x in rewards if x >= 1.0) / len(rewards) if rewards else None,
             "excluded": dict(account.excluded), "transitions": len(rows),
             "transitions_per_episode": self._calls_per_episode(ids),
+            "served_policy_versions": self._served_versions(ids),
             "prompt_tokens": sum(len(x["prompt_ids"]) for x in rows),
             "completion_tokens": sum(len(x["completion_ids"]) for x in rows),
             "zero_variance_groups": zero_variance_groups(summary.results),
@@ -293,16 +303,32 @@ class Trainer:
         episodes = frame["episodes"][0]
         return frame["calls"][0] / episodes if episodes else None
 
+    def _served_versions(self, ids: frozenset[str]) -> list[int]:
+        """The policy versions the gateway recorded on this round's generations: one, the newest, when the
+        engine serves each checkpoint as it should."""
+        from lightning_otel.span_store import client
+
+        if not ids:
+            return []
+        listed = ", ".join(client.sql_literal(i) for i in sorted(ids))
+        frame = client.query(f"SELECT DISTINCT policy_version FROM generations WHERE rollout_id IN ({listed}) "
+                             "ORDER BY policy_version", self.db)
+        return [int(v) for v in frame["policy_version"] if v is not None]
+
     def validate(self, state: dict) -> dict:
+        """One rollout of every validation task at `val_temperature` (greedy by default: a policy that did not
+        change scores the same, so a move in the curve is the policy's). Accuracy is the share of rollouts whose
+        reward reached 1 (a correct answer, for 0/1 rewards such as spider_exec)."""
         c = self.config
         tasks = load_tasks(Path(c.val_tasks))
         summary = self.rollouts(write_tasks(tasks, self.folder.path / "rounds" / "validation.jsonl"), 1,
-                                "validation", None, c.max_tokens)
+                                "validation", c.val_temperature, c.max_tokens)
         rewards = summary.rewarded
         mean = sum(rewards) / len(rewards) if rewards else None
-        if mean is not None and (state.get("best_metric") is None or mean > state["best_metric"]):
+        if state["last"] and mean is not None and (state.get("best_metric") is None or mean > state["best_metric"]):
             state.update(best=state["last"], best_metric=mean)
-        return {"val_reward_mean": mean, "val_rollouts": len(summary.results)}
+        return {"val_reward_mean": mean, "val_accuracy": sum(x >= 1.0 for x in rewards) / len(rewards) if rewards
+                else None, "val_rewarded": len(rewards), "val_rollouts": len(summary.results)}
 
 
 def zero_variance_groups(results) -> int:

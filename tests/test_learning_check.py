@@ -1,0 +1,54 @@
+"""The learning-loop check in small form (benchmarks/learning_check.py): on a fixed pool of Spider questions,
+GRPO from the bundled model raises the continuous reward it is trained on, and the control trained on the
+inverted reward lowers it; every round is served the checkpoint of the round before, and the first
+micro-batch of every round finds the learner agreeing with the engine that sampled (ratio ~1).
+
+Real parts throughout: the shared vLLM engine on the bundled SmolLM2-135M, the gateway, the plain-OpenAI
+example agent, the collector and DuckDB store, DeepSpeed with LoRA."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import learning_check  # noqa: E402
+
+
+def test_rise_and_served_versions_read_the_curve():
+    points = [{"round": 1, "reward_mean": 0.2, "served_policy_versions": [0]},
+              {"round": 2, "reward_mean": 0.3, "served_policy_versions": [1]},
+              {"round": 3, "reward_mean": 0.5, "served_policy_versions": [2]},
+              {"round": 4, "reward_mean": 0.4, "served_policy_versions": [3]}]
+    assert learning_check.rise(points) == pytest.approx(0.25)
+    assert learning_check.rise(points[:2]) is None  # too short to tell
+    assert learning_check.served_each_round(points)
+    stale = [*points[:3], {**points[3], "served_policy_versions": [2, 3]}]  # part of round 4 on the old policy
+    assert not learning_check.served_each_round(stale)
+
+
+def test_the_reward_is_continuous_and_the_control_its_mirror():
+    task = {"db_id": "singer", "query": "SELECT count(*) FROM singer"}
+    short = learning_check.reward(task, {"final_output": "SELECT count(*) FROM singer"})
+    wordy = learning_check.reward(task, {"final_output": "I think the answer is SELECT count(*) FROM singer ok"})
+    prose = learning_check.reward(task, {"final_output": "There are six singers in the database I think."})
+    assert 1.0 > short > 0.5 > prose > 0 and short > wordy
+    assert learning_check.inverted(task, {"final_output": "SELECT count(*) FROM singer"}) == pytest.approx(1 - short)
+
+
+@pytest.mark.heavy
+def test_grpo_raises_the_reward_it_is_given_and_the_inverted_control_lowers_it(engine, tmp_path):
+    args = learning_check.parse(["--out", str(tmp_path), "--rounds", "4", "--pool", "4", "--val", "0", "-n", "4",
+                                 "--lr", "5e-4", "--max-tokens", "32", "--min-rise", "0.1"])
+    result = learning_check.check(args, engine)
+    detail = json.dumps(result["curves"], indent=1)
+    assert result["checks"] == {"reward run rises": True, "control falls": True,
+                                "new policy served every round": True}, detail
+    for points in result["curves"].values():
+        assert [p["round"] for p in points] == [1, 2, 3, 4]
+        for p in points:  # before each round's first update the learner is the policy that sampled
+            assert abs(p["first_ratio_mean"] - 1.0) < 0.05 and p["first_clip_fraction"] < 0.05, detail
