@@ -417,10 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rollout", help="run an unchanged agent command over a task file, n samples per task",
                        description="Run the agent once per task and sample, each a subprocess under "
-                                   "opentelemetry-instrument, recording spans, outcomes and rewards in the store.")
+                                   "opentelemetry-instrument (an agent function: a call in one worker process "
+                                   "under it), recording spans, outcomes and rewards in the store.")
     p.add_argument("--tasks", type=Path, required=True, help="JSONL task file (one object per line)")
     p.add_argument("--agent", required=True,
-                   help='command template, e.g. "python agent.py --question {question} --db {db_path}"')
+                   help='command template, e.g. "python agent.py --question {question} --db {db_path}", or an '
+                        'agent function called as fn(task, llm) in one worker process: "module:function" or '
+                        '"path/to/agent.py:function"')
     p.add_argument("-n", type=int, default=4, help="samples per task (default: 4)")
     p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
     _add_db(p)

@@ -15,6 +15,15 @@ database, so model-written SQL cannot damage shared files. Every rollout ends as
 function, if any, then scores it into `rewards`. Problems with the inputs are reported before any
 rollout starts.
 
+Agent functions (`agent="module:function"` or `"path/to/file.py:function"`, no spaces; anything else is a
+command): each rollout is a call `fn(task, llm)` in ONE long-lived worker process under
+opentelemetry-instrument, many at a time (lightning_otel.inprocess, lightning_otel.agent_worker), instead of
+a process per rollout. `task` is the task's fields plus `db_path` (the same fresh copy {db_path} gives);
+`llm` (lightning_otel.LLM) carries the rollout's gateway URL, API key, model name and ids. The call runs
+inside lightning_otel.rollout(), so its spans carry the rollout's ids as span attributes, where a
+subprocess's carry them as resource attributes; the store, the rows and the rewards are the same.
+`final_output` is the return value (its last non-empty line), the output tails what the call printed.
+
 Scripted answers (`answers`, through the gateway only): call i of every rollout is answered with template i
 formatted from the task's fields (str.format), and calls past the last template are refused: the agent walks a
 labelled path, and its prompts along it are recorded (the SFT warm start's demonstrations).
@@ -38,11 +47,15 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from lightning_otel.agent_fn import AgentFunction, load_agent_function, parse_agent_function
 from lightning_otel.errors import UserError
 from lightning_otel.rewards import bundled_data_dir, call_reward, database_path, resolve_reward
 from lightning_otel.rollout import new_rollout_id
+
+if TYPE_CHECKING:
+    from lightning_otel.inprocess import AgentWorker
 
 log = logging.getLogger(__name__)
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -158,8 +171,15 @@ def load_tasks(path: Path) -> list[Task]:
     return tasks
 
 
-def check_inputs(config: RolloutConfig, tasks: list[Task]) -> list[str]:
-    """Everything that would fail later, found now: the command and every task's placeholders."""
+def check_inputs(config: RolloutConfig, tasks: list[Task]) -> list[str] | AgentFunction:
+    """Everything that would fail later, found now: the command and every task's placeholders, or the agent
+    function (it is imported here, as reward functions are)."""
+    agent = parse_agent_function(config.agent)
+    if agent is not None:
+        load_agent_function(agent)
+        for task in tasks:
+            check_templates(config.answers or (), task)
+        return agent
     argv = shlex.split(config.agent)
     if shutil.which(argv[0]) is None and not Path(argv[0]).exists():
         raise UserError(f"agent command not found: {argv[0]!r}")
@@ -216,6 +236,50 @@ def instrumented(instrument: str, argv: list[str]) -> list[str]:
     return [instrument, *argv]
 
 
+def agent_environment(base_url: str, collector_url: str, collector_token: str | None, api_key: str | None,
+                      model_name: str) -> dict[str, str]:
+    """What every agent process gets (DESIGN §7), less the per-rollout resource attributes."""
+    env = dict(os.environ)
+    env.update({
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": api_key or env.get("OPENAI_API_KEY") or "lightning-otel",
+        "LIGHTNING_MODEL": model_name,
+        "LIGHTNING_OTEL_ENDPOINT": collector_url,
+        "OTEL_PYTHON_DISTRO": "lightning_otel",
+        "OTEL_PYTHON_CONFIGURATOR": "lightning_otel",
+    })
+    if collector_token:
+        env["LIGHTNING_OTEL_TOKEN"] = collector_token
+    return env
+
+
+def find_instrument() -> str:
+    """opentelemetry-instrument beside this Python, else on PATH."""
+    found = shutil.which("opentelemetry-instrument",
+                         path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        raise UserError("opentelemetry-instrument is not installed (pip install opentelemetry-instrumentation)")
+    return found
+
+
+def start_agent_worker(agent: AgentFunction, collector_url: str, collector_token: str | None = None,
+                       api_key: str | None = None, model_name: str = "policy",
+                       base_url: str | None = None) -> AgentWorker:
+    """A started worker process for an agent function, sending its spans to the collector at `collector_url`.
+    A caller that runs many rollout calls on one collector (the trainer's rounds) keeps one for all of them
+    (run_rollouts(worker=...)); each call's gateway then differs, so give `base_url` only for a worker of one
+    call: every rollout gets its own gateway URL as llm.base_url anyway."""
+    from lightning_otel.inprocess import AgentWorker
+
+    env = agent_environment(base_url or "", collector_url, collector_token, api_key, model_name)
+    if base_url is None:
+        env.pop("OPENAI_BASE_URL")
+        if os.environ.get("OPENAI_BASE_URL"):
+            env["OPENAI_BASE_URL"] = os.environ["OPENAI_BASE_URL"]
+    argv = [find_instrument(), sys.executable, "-m", "lightning_otel.agent_worker", agent.spec]
+    return AgentWorker(agent, argv, env).start()
+
+
 def _die_with_runner() -> None:
     """In the child before exec: end when the runner ends, even by SIGKILL (Linux)."""
     if _PRCTL is not None:
@@ -232,7 +296,8 @@ class Runner:
     def __init__(self, config: RolloutConfig, collector_url: str, collector_token: str | None,
                  write_records: Callable[[str, list[dict]], int], spans_of: Callable[[str], list[dict]],
                  base_url_for: Callable[[str], str], policy_version: int = 0,
-                 script: Callable[[str, list[str] | None], None] | None = None):
+                 script: Callable[[str, list[str] | None], None] | None = None,
+                 worker: AgentWorker | None = None):
         if config.answers is not None and script is None:
             raise ValueError("scripted answers need a gateway to script (the `script` callback)")
         self.config = config
@@ -243,15 +308,24 @@ class Runner:
         self.collector_token = collector_token
         self.write_records = write_records
         self.spans_of = spans_of
+        self.worker = worker  # the agent function's worker (in-process mode); run() starts one when None
         self.reward_fn = resolve_reward(config.reward) if config.reward else None
-        self.instrument = shutil.which("opentelemetry-instrument",
-                                       path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-        if self.instrument is None:
-            raise UserError("opentelemetry-instrument is not installed (pip install opentelemetry-instrumentation)")
+        self.instrument = find_instrument()
 
-    def run(self, tasks: list[Task], argv: list[str],
+    def run(self, tasks: list[Task], argv: list[str] | AgentFunction,
             progress: Callable[[RolloutResult, int, int], None] | None = None) -> RolloutSummary:
-        """Run every (task, sample); `argv` is the agent command as check_inputs() returned it."""
+        """Run every (task, sample); `argv` is the agent command, or function, as check_inputs() returned it."""
+        if isinstance(argv, AgentFunction) and self.worker is None:
+            self.worker = self.start_worker(argv)  # one worker process for every rollout of this call
+            try:
+                return self._run(tasks, argv, progress)
+            finally:
+                self.worker.close()
+                self.worker = None
+        return self._run(tasks, argv, progress)
+
+    def _run(self, tasks: list[Task], argv: list[str] | AgentFunction,
+             progress: Callable[[RolloutResult, int, int], None] | None) -> RolloutSummary:
         self.write_records("tasks", [{"task_id": t.task_id, "fields": t.fields, "source": str(self.config.tasks),
                                       "created_ns": time.time_ns()} for t in tasks])
         jobs = [(task, attempt) for task in tasks for attempt in range(self.config.n)]
@@ -273,7 +347,14 @@ class Runner:
             shutil.rmtree(work, ignore_errors=True)
         return summary
 
-    def run_one(self, argv: list[str], task: Task, attempt: int, work: Path) -> RolloutResult:
+    def start_worker(self, agent: AgentFunction) -> AgentWorker:
+        """A started worker process for `agent` (UserError when the function does not load there). Its own
+        OPENAI_BASE_URL is the gateway without a rollout prefix: a function that ignores llm.base_url still
+        reaches the policy (its calls are then recorded under no rollout)."""
+        return start_agent_worker(agent, self.collector_url, self.collector_token, self.config.api_key,
+                                  self.config.model_name, self.base_url_for(""))
+
+    def run_one(self, argv: list[str] | AgentFunction, task: Task, attempt: int, work: Path) -> RolloutResult:
         rollout_id = new_rollout_id()
         folder = work / rollout_id
         folder.mkdir()
@@ -283,12 +364,15 @@ class Runner:
             source = database_path(self.config.data_dir, str(task.fields["db_id"]))
             if source.is_file():
                 values["db_path"] = str(shutil.copy(source, folder / source.name))
-        command = fill_placeholders(argv, values)
         scripted = self.config.answers is not None
         if scripted:
             self.script(rollout_id, [format_answer(a, task) for a in self.config.answers])
         try:
-            result = self._execute(command, self._environment(rollout_id, task, attempt), rollout_id, task, attempt)
+            if isinstance(argv, AgentFunction):
+                result = self._call(values.get("db_path"), rollout_id, task, attempt)
+            else:
+                result = self._execute(fill_placeholders(argv, values), self._environment(rollout_id, task, attempt),
+                                       rollout_id, task, attempt)
         finally:
             if scripted:
                 self.script(rollout_id, None)
@@ -299,21 +383,26 @@ class Runner:
         return result
 
     def _environment(self, rollout_id: str, task: Task, attempt: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update({
-            "OPENAI_BASE_URL": self.base_url_for(rollout_id),
-            "OPENAI_API_KEY": self.config.api_key or env.get("OPENAI_API_KEY") or "lightning-otel",
-            "LIGHTNING_MODEL": self.config.model_name,
-            "LIGHTNING_OTEL_ENDPOINT": self.collector_url,
-            "OTEL_PYTHON_DISTRO": "lightning_otel",
-            "OTEL_PYTHON_CONFIGURATOR": "lightning_otel",
-            "OTEL_RESOURCE_ATTRIBUTES": resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES"), {
-                "lightning.rollout.id": rollout_id, "lightning.task.id": task.task_id,
-                "lightning.attempt": str(attempt)}),
-        })
-        if self.collector_token:
-            env["LIGHTNING_OTEL_TOKEN"] = self.collector_token
+        env = agent_environment(self.base_url_for(rollout_id), self.collector_url, self.collector_token,
+                                self.config.api_key, self.config.model_name)
+        env["OTEL_RESOURCE_ATTRIBUTES"] = resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES"), {
+            "lightning.rollout.id": rollout_id, "lightning.task.id": task.task_id, "lightning.attempt": str(attempt)})
         return env
+
+    def _call(self, db_path: str | None, rollout_id: str, task: Task, attempt: int) -> RolloutResult:
+        """One rollout as a call of the agent function in the worker (in-process mode)."""
+        fields = dict(task.fields) if db_path is None else {**task.fields, "db_path": db_path}
+        env = self.worker.env  # type: ignore[union-attr]
+        llm = {"base_url": self.base_url_for(rollout_id), "api_key": env["OPENAI_API_KEY"],
+               "model": self.config.model_name, "rollout_id": rollout_id, "task_id": task.task_id, "attempt": attempt}
+        started = time.time_ns()
+        reply = self.worker.call({"id": rollout_id, "task": fields, "llm": llm},  # type: ignore[union-attr]
+                                 self.config.timeout_s)
+        lines = [line.strip() for line in (reply.get("output") or "").splitlines() if line.strip()]
+        return RolloutResult(rollout_id, task.task_id, attempt, self.policy_version, reply["status"],
+                             reply.get("error_class"), None, started, time.time_ns(), lines[-1] if lines else None,
+                             (reply.get("stdout") or "")[-TAIL_CHARS:], (reply.get("stderr") or "")[-TAIL_CHARS:],
+                             self.config.agent)
 
     def _execute(self, command: list[str], env: dict[str, str], rollout_id: str, task: Task,
                  attempt: int) -> RolloutResult:
@@ -357,9 +446,13 @@ class Runner:
 
 
 def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, int], None] | None = None,
-                 engine=None) -> RolloutSummary:
+                 engine=None, worker: AgentWorker | None = None) -> RolloutSummary:
     """Start what is not running (collector on config.db; engine and gateway unless --base-url points
-    elsewhere or an engine is given), run every rollout, stop what was started."""
+    elsewhere or an engine is given), run every rollout, stop what was started.
+
+    With an agent function, one worker process serves every rollout of the call; `worker` (one the caller
+    started with Runner.start_worker, for the same function and a collector that outlives the calls) is used
+    instead and left running."""
     from contextlib import ExitStack
 
     from lightning_otel.span_store import client, discovery
@@ -367,6 +460,8 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
 
     tasks = load_tasks(config.tasks)
     argv = check_inputs(config, tasks)  # before anything starts
+    if worker is not None and worker.agent.spec != config.agent.strip():
+        raise ValueError(f"worker serves {worker.agent.spec!r}, not the config's agent {config.agent!r}")
     with ExitStack() as owned:
         info = discovery.find_collector(config.db)
         if info is None:
@@ -388,7 +483,7 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
                                 "ORDER BY start_ns", config.db).to_dicts()
 
         runner = Runner(config, info.url, info.token, lambda table, rows: client.write_records(config.db, table, rows),
-                        spans_of, base_url_for, policy_version, script)
+                        spans_of, base_url_for, policy_version, script, worker)
         return runner.run(tasks, argv, progress)
 
 

@@ -114,6 +114,7 @@ class Trainer:
             check_labels(config)
         self._stack = ExitStack()
         self._engine = engine
+        self._worker = None  # the agent function's worker process, when the agent is one
         self.db = self.folder.path / "traces.duckdb"
 
     def __enter__(self) -> "Trainer":
@@ -128,7 +129,7 @@ class Trainer:
         self.model_dir = resolve_model(c.model, python)
         c.save(self.folder.path / "config.toml")
         log.info("train config:\n%s", render_toml(c))
-        collector = Collector(CollectorConfig(db=self.db, port=0))
+        self.collector = collector = Collector(CollectorConfig(db=self.db, port=0))
         collector.start()
         self._stack.callback(collector.close)
         self.learner = Learner(self.model_dir, c)
@@ -196,7 +197,20 @@ class Trainer:
                                data_dir=Path(c.data_dir) if c.data_dir else None,
                                timeout_s=c.agent_timeout_s, max_tokens=max_tokens, temperature=temperature,
                                work_dir=self.folder.path / "work", max_calls=max_calls, answers=answers)
-        return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine)
+        return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine,
+                            worker=self._agent_worker())
+
+    def _agent_worker(self):
+        """For an agent function: one worker process for every rollout of the run (None for a command)."""
+        from lightning_otel.agent_fn import load_agent_function, parse_agent_function
+        from lightning_otel.runner import start_agent_worker
+
+        if self._worker is None and (agent := parse_agent_function(self.config.agent)) is not None:
+            load_agent_function(agent)  # a clear error here, before the worker tries
+            info = self.collector.info
+            self._worker = start_agent_worker(agent, info.url, info.token)
+            self._stack.callback(self._worker.close)
+        return self._worker
 
     # ---- the run -----------------------------------------------------------------------------------------
 

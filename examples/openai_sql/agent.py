@@ -4,6 +4,8 @@
 
 Talks to any OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY). Streams every answer. At most
 three model calls; the last line of stdout is the final SQL (empty when the model never wrote any).
+`run(task, llm)` is the same loop as a function, for the runner's in-process mode
+(`--agent examples/openai_sql/agent.py:run`); it takes `llm` by duck typing and does not import lightning-otel.
 """
 from __future__ import annotations
 
@@ -52,6 +54,34 @@ def run_sql(db: str, sql: str, timeout_s: float = 10.0) -> tuple[list | None, st
         conn.close()
 
 
+def answer(client: openai.OpenAI, model: str, question: str, db: str, temperature: float = 0.7) -> str:
+    """The agent's loop: returns the final SQL (empty when the model never wrote any), printing each outcome."""
+    messages = [{"role": "system", "content": SYSTEM.format(schema=read_schema(db))},
+                {"role": "user", "content": question}]
+    sql = ""
+    for _ in range(MAX_TURNS):
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                                temperature=temperature, stream=True,
+                                                stream_options={"include_usage": True})
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        messages.append({"role": "assistant", "content": text})
+        sql = extract_sql(text)
+        rows, error = run_sql(db, sql)
+        if error is None:
+            print(f"rows: {rows}")
+            break
+        print(f"error: {error}")
+        messages.append({"role": "user", "content": f"The query failed: {error}\nWrite a corrected query."})
+    return sql
+
+
+def run(task: dict, llm) -> str:
+    """Entry point for `lightning-otel rollout --agent examples/openai_sql/agent.py:run` (in-process mode):
+    `task` has the question and db_path; `llm` any object with base_url, api_key and model."""
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    return answer(client, llm.model, task["question"], task["db_path"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--question", required=True)
@@ -59,25 +89,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-4o-mini")
     parser.add_argument("--temperature", type=float, default=0.7)
     args = parser.parse_args()
-
-    client = openai.OpenAI()
-    messages = [{"role": "system", "content": SYSTEM.format(schema=read_schema(args.db))},
-                {"role": "user", "content": args.question}]
-    sql = ""
-    for _ in range(MAX_TURNS):
-        stream = client.chat.completions.create(model=args.model, messages=messages, max_tokens=MAX_TOKENS,
-                                                temperature=args.temperature, stream=True,
-                                                stream_options={"include_usage": True})
-        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-        messages.append({"role": "assistant", "content": text})
-        sql = extract_sql(text)
-        rows, error = run_sql(args.db, sql)
-        if error is None:
-            print(f"rows: {rows}")
-            break
-        print(f"error: {error}")
-        messages.append({"role": "user", "content": f"The query failed: {error}\nWrite a corrected query."})
-    print(sql)
+    print(answer(openai.OpenAI(), args.model, args.question, args.db, args.temperature))
 
 
 if __name__ == "__main__":
