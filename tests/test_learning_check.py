@@ -58,7 +58,11 @@ def test_grpo_raises_the_reward_it_is_given_and_the_inverted_control_lowers_it(e
     assert last_two["reward"] - last_two["inverted"] >= 0.1, detail
     for points in result["curves"].values():
         assert [p["round"] for p in points] == list(range(1, rounds + 1))
-        for p in points:  # before each round's first update the learner is the policy that sampled
+        # Before each round's first update the learner is the policy that sampled. (A round whose groups all
+        # scored alike trains nothing and has no first micro-batch: the policy may converge within 5 rounds.)
+        trained = [p for p in points if p["first_ratio_mean"] is not None]
+        assert len(trained) >= 3, detail
+        for p in trained:
             assert abs(p["first_ratio_mean"] - 1.0) < 0.05 and p["first_clip_fraction"] < 0.05, detail
     for arm in result["curves"]:  # the agent function ran in one worker process (one SDK) for the whole run
         sdks = client.query("SELECT count(DISTINCT json_extract_string(resource, '$.\"service.instance.id\"')) AS n, "
