@@ -195,6 +195,8 @@ def check(args, engine=None) -> dict:
     finally:
         if owned:
             engine.stop()
+        else:
+            engine.use_base()  # a shared engine is left serving the base model, as it was found
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "seconds": seconds, "curves": curves,
               "rise": {arm: rise(points) for arm, points in curves.items()},
               "served_each_round": {arm: served_each_round(points) for arm, points in curves.items()}}

@@ -172,6 +172,7 @@ SQL_AGENT = textwrap.dedent("""
 
 
 def test_rollouts_through_the_gateway_are_token_exact(engine, db_path, tmp_path):
+    engine.use_base()  # the shared engine may serve what an earlier test trained; these rollouts are version 0
     agent = tmp_path / "sql_agent.py"
     agent.write_text(SQL_AGENT)
     tasks = tmp_path / "tasks.jsonl"
