@@ -70,36 +70,37 @@ def parse_agent_function(agent: str) -> AgentFunction | None:
     return AgentFunction(agent.strip(), target, name)
 
 
-def load_agent_function(agent: AgentFunction) -> Callable[[dict, LLM], Any]:
-    """Import the module or file and return its function; a UserError says what is wrong and what to do."""
-    module = _import_file(agent) if agent.is_file else _import_module(agent)
+def load_agent_function(agent: AgentFunction, what: str = "agent", call: str = "fn(task, llm)") -> Callable[..., Any]:
+    """Import the module or file and return its function; a UserError says what is wrong and what to do.
+    `what` and `call` name the function's role in those messages (rewards load this way too)."""
+    module = _import_file(agent, what) if agent.is_file else _import_module(agent, what)
     fn = getattr(module, agent.name, None)
     if fn is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise UserError(f"agent {agent.spec!r}: {agent.target} has no function {agent.name!r}; "
+        raise UserError(f"{what} {agent.spec!r}: {agent.target} has no function {agent.name!r}; "
                         f"callables there: {public[:12]}")
     if not callable(fn):
-        raise UserError(f"agent {agent.spec!r}: {agent.name} is a {type(fn).__name__}, not a function; "
-                        "give a function called as fn(task, llm)")
+        raise UserError(f"{what} {agent.spec!r}: {agent.name} is a {type(fn).__name__}, not a function; "
+                        f"give a function called as {call}")
     return fn
 
 
-def _import_module(agent: AgentFunction):
+def _import_module(agent: AgentFunction, what: str):
     # As `python -m` would: modules of the current folder import (the console script's sys.path lacks it).
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     try:
         return importlib.import_module(agent.target)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of the user's module is theirs to fix
-        raise UserError(f"agent {agent.spec!r}: cannot import module {agent.target!r} "
+        raise UserError(f"{what} {agent.spec!r}: cannot import module {agent.target!r} "
                         f"({type(exc).__name__}: {exc}); check the name and that it imports in this "
                         "environment (python -c 'import ...')") from None
 
 
-def _import_file(agent: AgentFunction):
+def _import_file(agent: AgentFunction, what: str):
     path = Path(agent.target).expanduser().resolve()
     if not path.is_file():
-        raise UserError(f"agent {agent.spec!r}: file {agent.target} does not exist (relative paths are from "
+        raise UserError(f"{what} {agent.spec!r}: file {agent.target} does not exist (relative paths are from "
                         f"{os.getcwd()})")
     key = f"lightning_agent_{abs(hash(str(path))):x}"
     if key in sys.modules:
@@ -115,6 +116,6 @@ def _import_file(agent: AgentFunction):
         spec.loader.exec_module(module)  # type: ignore[union-attr]
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - SystemExit: argparse at module level, say
         del sys.modules[key]
-        raise UserError(f"agent {agent.spec!r}: {agent.target} does not import ({type(exc).__name__}: {exc}); "
+        raise UserError(f"{what} {agent.spec!r}: {agent.target} does not import ({type(exc).__name__}: {exc}); "
                         f"run python {agent.target} to see the whole error") from None
     return module

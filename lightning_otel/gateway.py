@@ -7,7 +7,8 @@ Routes: POST /v1/chat/completions, /v1/completions, GET /v1/models, each also un
 scripts that hard-code `gpt-4o` run unchanged. Streaming is served from the finished generation, one SSE
 chunk per token. Tools: the model's tool-call syntax (Hermes style by default) is parsed into OpenAI
 `tool_calls`; when the model's chat template cannot render tools, tools and tool messages are rendered
-into the prompt in that same syntax.
+into the prompt in that same syntax, and `tool_choice` "required" or a named function opens the call at the
+end of the prompt for the model to continue ("none" renders no tools).
 
 Scripted rollouts (`script()`): the calls of one rollout are answered, in order, with given texts instead of
 samples, so an agent can be walked along a labelled path (the SFT warm start's demonstrations). The engine
@@ -96,6 +97,29 @@ def _check_chat(body: Any, max_n: int) -> None:
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise BadRequest("'tools' must be a list of objects", "tools")
+    forced_tool(body)
+
+
+def forced_tool(body: dict) -> tuple[bool, str | None]:
+    """What `tool_choice` asks: (whether the answer must be a tool call, the tool it must call or None for
+    any). "none" is (False, None) like "auto"; the caller stops offering the tools for it."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return False, None
+    names = [f.get("name") for t in body.get("tools") or [] if isinstance(f := t.get("function") or t, dict)]
+    if not names:
+        raise BadRequest(f"tool_choice {json.dumps(choice)[:80]} needs 'tools': offer the tools it may call",
+                         "tool_choice")
+    if choice == "required":
+        return True, None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise BadRequest('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                         f'{{"name": ...}}}}, not {json.dumps(choice)[:80]}', "tool_choice")
+    if name not in names:
+        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools offered ({names})", "tool_choice")
+    return True, name
 
 
 def _check_common(body: dict, max_n: int) -> None:
@@ -192,10 +216,20 @@ class Gateway:
         requested_model = str(body.get("model") or self.engine.model_name)
         tools = body.get("tools") or None
         upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "parallel_tool_calls")}
+        prefix = ""
         if not self.config.native_tools and (tools or _has_tool_messages(body["messages"])):
+            # tool_choice in the model's own syntax: "none" offers no tools; "required" or a named function
+            # starts the answer with the call's opening (a prompt the policy continues, never trained on).
+            must_call, name = forced_tool(body)
+            if body.get("tool_choice") == "none":
+                tools = None
             upstream["messages"] = self.format.render_messages(body["messages"], tools)
             upstream.pop("tools", None)
             upstream.pop("tool_choice", None)
+            if must_call:
+                prefix = self.format.forced_prefix(name)
+                upstream["messages"].append({"role": "assistant", "content": prefix})
+                upstream.update(continue_final_message=True, add_generation_prompt=False)
         if upstream.get("max_tokens") is None and upstream.get("max_completion_tokens") is None:
             upstream["max_tokens"] = self.config.default_max_tokens
         self._apply_overrides(upstream, scripted)
@@ -205,7 +239,7 @@ class Gateway:
         prompt_ids = result.get("prompt_token_ids") or []
         choices = []
         for choice in result.get("choices", []):
-            content = (choice.get("message") or {}).get("content") or ""
+            content = prefix + ((choice.get("message") or {}).get("content") or "")
             if scripted is not None:
                 content, choice = scripted, {**choice, "finish_reason": "stop", "token_ids": [], "logprobs": None}
             parsed = self.format.parse(content, tools_offered=bool(tools))

@@ -4,7 +4,7 @@
 exit code, ...) plus `spans` (its spans as dicts) and `data_dir`. Returning None means "no reward": the
 rollout is then excluded from training and counted, never scored 0.
 
-Give one by registered name (`spider_exec`) or as `module:function`.
+Give one by registered name (`spider_exec`), as `module:function` or as `path/to/file.py:function`.
 """
 from __future__ import annotations
 
@@ -154,17 +154,50 @@ def spider_shaped(task: dict, rollout: dict, timeout_s: float = 10.0) -> float |
     return 1.0 if results_match(gold, predicted, ordered=bool(ORDER_BY.search(gold_sql))) else SHAPED["executes"]
 
 
+# ---- numeric answers -------------------------------------------------------------------------------
+
+NUMBER = re.compile(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w])|-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str | None) -> float | None:
+    """The last number written in `text` ("1,234" and "-5.5" included), or None when it has none."""
+    found = NUMBER.findall(text or "")
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def number_match(task: dict, rollout: dict) -> float | None:
+    """1.0 when the last number in the rollout's final output equals the task's `answer` (within 1e-6 of
+    it, relative for large answers), else 0.0; None when the task has no numeric `answer`."""
+    gold = task.get("answer")
+    try:
+        gold = float(str(gold).replace(",", "")) if gold is not None and not isinstance(gold, bool) else None
+    except ValueError:
+        gold = None
+    if gold is None:
+        return None
+    predicted = last_number(rollout.get("final_output"))
+    return float(predicted is not None and abs(predicted - gold) <= 1e-6 * max(1.0, abs(gold)))
+
+
 # ---- registry --------------------------------------------------------------------------------------
 
-REGISTRY: dict[str, RewardFunction] = {"spider_exec": spider_exec, "spider_shaped": spider_shaped}
+REGISTRY: dict[str, RewardFunction] = {"spider_exec": spider_exec, "spider_shaped": spider_shaped,
+                                       "number_match": number_match}
 
 
 def resolve_reward(spec: str) -> RewardFunction:
-    """A registered name, or `module:function` importable from the current environment."""
+    """A registered name, `module:function` importable from the current environment, or
+    `path/to/file.py:function` (imported as `python file.py` would: its folder's modules import)."""
     if spec in REGISTRY:
         return REGISTRY[spec]
     if ":" not in spec:
-        raise UserError(f"unknown reward {spec!r}: use one of {sorted(REGISTRY)} or module:function")
+        raise UserError(f"unknown reward {spec!r}: use one of {sorted(REGISTRY)}, module:function or "
+                        "path/to/file.py:function")
+    from lightning_otel.agent_fn import load_agent_function, parse_agent_function
+
+    in_file = parse_agent_function(spec)
+    if in_file is not None and in_file.is_file:
+        return load_agent_function(in_file, what="reward", call="fn(task, rollout)")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -171,12 +171,13 @@ def load_tasks(path: Path) -> list[Task]:
     return tasks
 
 
-def check_inputs(config: RolloutConfig, tasks: list[Task]) -> list[str] | AgentFunction:
+def check_inputs(config: RolloutConfig, tasks: list[Task], imported: bool = False) -> list[str] | AgentFunction:
     """Everything that would fail later, found now: the command and every task's placeholders, or the agent
-    function (it is imported here, as reward functions are)."""
+    function (it is imported here, as reward functions are, unless `imported`: a running worker has it)."""
     agent = parse_agent_function(config.agent)
     if agent is not None:
-        load_agent_function(agent)
+        if not imported:
+            load_agent_function(agent)
         for task in tasks:
             check_templates(config.answers or (), task)
         return agent
@@ -459,7 +460,7 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
     from lightning_otel.span_store.collector import Collector, CollectorConfig
 
     tasks = load_tasks(config.tasks)
-    argv = check_inputs(config, tasks)  # before anything starts
+    argv = check_inputs(config, tasks, imported=worker is not None)  # before anything starts
     if worker is not None and worker.agent.spec != config.agent.strip():
         raise ValueError(f"worker serves {worker.agent.spec!r}, not the config's agent {config.agent!r}")
     with ExitStack() as owned:

@@ -30,6 +30,9 @@ class ToolFormat(Protocol):
     def parse(self, text: str, tools_offered: bool) -> ParsedOutput:
         """Split generated text into content and tool calls."""
 
+    def forced_prefix(self, tool_name: str | None) -> str:
+        """The start of an answer that is a tool call: of the tool named, or of any tool when None."""
+
 
 def _text(content) -> str:
     """OpenAI content: a string, None, or a list of parts (only text parts carry text)."""
@@ -80,6 +83,13 @@ class HermesToolFormat:
             else:
                 out.insert(0, {"role": "system", "content": guide})
         return out
+
+    def forced_prefix(self, tool_name: str | None) -> str:
+        # The same text render_messages gives a past call (json.dumps of {"name", "arguments"}), cut where the
+        # model's own choice starts: after `{"name": "` for any tool, after the name's `"arguments": ` for one.
+        if tool_name is None:
+            return '<tool_call>\n{"name": "'
+        return "<tool_call>\n" + json.dumps({"name": tool_name, "arguments": None})[:-len("null}")]
 
     def parse(self, text: str, tools_offered: bool) -> ParsedOutput:
         if not tools_offered or "<tool_call>" not in text:

@@ -254,3 +254,50 @@ def test_recorded_logprobs_are_those_of_the_tempered_distribution_the_learner_sc
         gaps = {t: float((completion_logprobs(model, batch, t)[0] - recorded).abs().mean()) for t in (0.5, 1.0)}
     assert gaps[0.5] < 0.1, gaps  # bf16 engine vs fp32 learner: a few hundredths
     assert gaps[1.0] > 3 * gaps[0.5], gaps
+
+
+TOOL = {"type": "function", "function": {"name": "execute_sql", "description": "Run one SQLite query.",
+                                         "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                        "required": ["query"]}}}
+ASK = [{"role": "system", "content": "You answer with SQL."}, {"role": "user", "content": "How many singers are there?"}]
+
+
+@pytest.mark.parametrize("choice,needle", [
+    ("required", "needs 'tools'"),
+    ({"type": "function", "function": {"name": "drop_table"}}, "not among the tools"),
+    ("always", "tool_choice must be"),
+    ({"type": "function"}, "tool_choice must be"),
+    (7, "tool_choice must be"),
+])
+def test_bad_tool_choice_gets_an_error_that_names_it(gateway, choice, needle):
+    body = {"messages": ASK, "max_tokens": 4, "tool_choice": choice}
+    if needle != "needs 'tools'":
+        body["tools"] = [TOOL]
+    code, payload = _chat(gateway.url, body)
+    assert code == 400 and needle in payload["error"]["message"], payload
+    assert payload["error"]["param"] == "tool_choice"
+
+
+def test_tool_choice_required_or_named_starts_the_answer_as_a_call_and_none_offers_no_tools(gateway, db_path,
+                                                                                            tokenizer):
+    """A model whose chat template has no tools gets them in its own call syntax (Hermes); tool_choice is kept:
+    "required" and a named function put the call's opening at the end of the prompt (the recorded prompt ids,
+    so training never scores those tokens as the policy's), "none" renders no tool listing."""
+    rid = "ro-toolchoice"
+    for choice in ("required", {"type": "function", "function": {"name": "execute_sql"}}, "none", "auto"):
+        code, payload = _chat(gateway.base_url(rid), {"messages": ASK, "tools": [TOOL], "tool_choice": choice,
+                                                       "max_tokens": 24, "temperature": 0.0})
+        assert code == 200, payload
+        message = payload["choices"][0]["message"]
+        if choice == {"type": "function", "function": {"name": "execute_sql"}}:
+            # the model wrote only the arguments: a call of execute_sql, or text that opens one
+            assert (message.get("tool_calls") or [{}])[0].get("function", {}).get("name") == "execute_sql" \
+                or (message["content"] or "").startswith('<tool_call>\n{"name": "execute_sql", "arguments": '), message
+    gateway.flush()
+    prompts = [tokenizer.decode(r["prompt_ids"]) for r in client.query(
+        f"SELECT prompt_ids FROM generations WHERE rollout_id = '{rid}' ORDER BY start_ns", db_path).to_dicts()]
+    assert len(prompts) == 4
+    assert prompts[0].endswith('<tool_call>\n{"name": "')
+    assert prompts[1].endswith('<tool_call>\n{"name": "execute_sql", "arguments": ')
+    assert "<tools>" in prompts[0] and "<tools>" in prompts[3] and "<tools>" not in prompts[2]
+    assert not prompts[2].rstrip().endswith('"') and not prompts[3].rstrip().endswith('"name": "')

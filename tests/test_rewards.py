@@ -127,3 +127,30 @@ def test_resolving_reward_functions(tmp_path, monkeypatch):
                          ("my_rewards:missing", "no function")]:
         with pytest.raises(UserError, match=needle):
             resolve_reward(spec)
+
+
+def test_a_reward_in_a_file_imports_with_its_folder_on_the_path(tmp_path):
+    folder = tmp_path / "task_rewards"
+    folder.mkdir()
+    (folder / "helpers.py").write_text("def words(text):\n    return len(text.split())\n")
+    (folder / "score.py").write_text("from helpers import words\nLIMIT = 3\n\ndef brevity(task, rollout):\n"
+                                     "    return 1.0 / (1 + words(rollout['final_output']))\n")
+    fn = resolve_reward(f"{folder / 'score.py'}:brevity")
+    assert call_reward(fn, {}, {"final_output": "one two three"}) == 0.25
+    for spec, needle in [(f"{folder / 'absent.py'}:f", "reward .* does not exist"),
+                         (f"{folder / 'score.py'}:missing", "reward .* no function 'missing'"),
+                         (f"{folder / 'score.py'}:LIMIT", r"not a function; give a function called as fn\(task, rollout\)")]:
+        with pytest.raises(UserError, match=needle):
+            resolve_reward(spec)
+
+
+def test_number_match_reads_the_last_number_of_the_final_output():
+    from lightning_otel.rewards import last_number, number_match
+
+    assert [last_number(t) for t in ("It is 1,234.", "-5.5 then 7", "x", "", None, "3,39")] == \
+        [1234.0, 7.0, None, None, None, 39.0]
+    assert number_match({"answer": 64}, {"final_output": "There are 64 passengers."}) == 1.0
+    assert number_match({"answer": "1,234"}, {"final_output": "1234"}) == 1.0
+    assert number_match({"answer": 64}, {"final_output": "64 or 63"}) == 0.0
+    assert number_match({"answer": 64}, {"final_output": None}) == 0.0
+    assert number_match({}, {"final_output": "64"}) is None and number_match({"answer": "many"}, {}) is None

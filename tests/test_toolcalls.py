@@ -69,3 +69,16 @@ def test_render_puts_tools_in_the_system_prompt_and_tool_turns_in_text():
 def test_unknown_format():
     with pytest.raises(ValueError, match="unknown tool format"):
         tool_format("nope")
+
+
+def test_a_forced_call_starts_as_a_past_call_is_rendered_and_parses_when_continued():
+    past = hermes.render_messages([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "execute_sql", "arguments": '{"query": "SELECT 1"}'}}]}],
+        TOOLS)[-1]["content"]
+    named, any_tool = hermes.forced_prefix("execute_sql"), hermes.forced_prefix(None)
+    assert past.startswith(named) and named.startswith(any_tool) and named != any_tool
+    assert named.endswith('"arguments": ') and any_tool.endswith('{"name": "')
+    continued = hermes.parse(named + '{"query": "SELECT 2"}}\n</tool_call>', tools_offered=True)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in continued.tool_calls] == \
+        [("execute_sql", {"query": "SELECT 2"})]
+    assert hermes.parse(any_tool + 'execute_sql", "arguments": {}}', tools_offered=True).tool_calls

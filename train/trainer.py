@@ -296,8 +296,7 @@ class Trainer:
             "rollouts": len(summary.results), "rewarded": len(rewards), "reward_mean": mean, "reward_std": std,
             "success_rate": sum(1 for x in rewards if x >= 1.0) / len(rewards) if rewards else None,
             "excluded": dict(account.excluded), "transitions": len(rows),
-            "transitions_per_episode": self._calls_per_episode(ids),
-            "served_policy_versions": self._served_versions(ids),
+            **self._episode_figures(ids),
             "prompt_tokens": sum(len(x["prompt_ids"]) for x in rows),
             "completion_tokens": sum(len(x["completion_ids"]) for x in rows),
             "zero_variance_groups": zero_variance_groups(summary.results),
@@ -305,29 +304,22 @@ class Trainer:
             **stats.summary(),
         }
 
-    def _calls_per_episode(self, ids: set[str]) -> float | None:
-        """LLM calls per rollout of this round (before any merging), from the store."""
+    def _episode_figures(self, ids: set[str]) -> dict:
+        """From the store, over this round's rollouts: LLM calls per rollout, each request once (a call that two
+        instrumentations both recorded, such as the Agents SDK's span around the OpenAI SDK's, counts once), and
+        the policy versions the gateway recorded on them: one, the newest, when the engine serves each checkpoint
+        as it should."""
         from lightning_otel.span_store import client
 
         if not ids:
-            return None
+            return {"transitions_per_episode": None, "served_policy_versions": []}
         listed = ", ".join(client.sql_literal(i) for i in sorted(ids))
-        frame = client.query(f"SELECT count(*) AS calls, count(DISTINCT rollout_id) AS episodes FROM llm_calls "
-                             f"WHERE rollout_id IN ({listed})", self.db)
-        episodes = frame["episodes"][0]
-        return frame["calls"][0] / episodes if episodes else None
-
-    def _served_versions(self, ids: frozenset[str]) -> list[int]:
-        """The policy versions the gateway recorded on this round's generations: one, the newest, when the
-        engine serves each checkpoint as it should."""
-        from lightning_otel.span_store import client
-
-        if not ids:
-            return []
-        listed = ", ".join(client.sql_literal(i) for i in sorted(ids))
-        frame = client.query(f"SELECT DISTINCT policy_version FROM generations WHERE rollout_id IN ({listed}) "
-                             "ORDER BY policy_version", self.db)
-        return [int(v) for v in frame["policy_version"] if v is not None]
+        row = client.query(f"SELECT count(*) AS calls, count(DISTINCT rollout_id) AS episodes, "
+                           f"list(DISTINCT policy_version ORDER BY policy_version) "
+                           f"FILTER (WHERE policy_version IS NOT NULL) AS versions "
+                           f"FROM trajectory_calls WHERE rollout_id IN ({listed})", self.db).to_dicts()[0]
+        return {"transitions_per_episode": row["calls"] / row["episodes"] if row["episodes"] else None,
+                "served_policy_versions": [int(v) for v in row["versions"] or []]}
 
     def validate(self, state: dict) -> dict:
         """One rollout of every validation task at `val_temperature` (greedy by default: a policy that did not

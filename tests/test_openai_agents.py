@@ -1,0 +1,109 @@
+"""The OpenAI Agents SDK example (examples/openai_agents_math), unchanged, against the gateway over the real
+engine (bundled SmolLM2-135M): traced by the SDK's own OpenTelemetry instrumentation, as an agent function in
+the worker process and as a script under opentelemetry-instrument.
+
+The SDK's span around each model call (openai.response) and the OpenAI SDK's own (openai.chat) both record one
+request: the trajectory has it once, joined to its one token record. The agent asks for tool_choice
+"required", which the gateway keeps for a model without native tools by opening the call in the prompt.
+The model is weak: the assertions hold whatever it answers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_otel.runner import RolloutConfig, run_rollouts
+from lightning_otel.span_store import client
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "openai_agents_math"
+sys.path.insert(0, str(EXAMPLE))
+import problems  # noqa: E402
+import reward as math_reward  # noqa: E402
+
+FORCED = '<tool_call>\n{"name": "'
+
+
+def test_problems_keep_train_and_test_apart_and_are_reproducible():
+    train, test = problems.make("train", 40, 0), problems.make("test", 40, 0)
+    assert problems.make("train", 40, 0) == train and problems.make("train", 40, 1) != train
+    assert {r["template"] for r in train}.isdisjoint(r["template"] for r in test)
+    numbers = lambda rows: {int(x) for r in rows for x in r["expression"].replace("*", " ").replace("+", " ")
+                            .replace("-", " ").split()}
+    assert max(numbers(train)) <= 40 < min(numbers(test))
+    for row in train + test:
+        assert row["answer"] > 0 and eval(row["expression"], {"__builtins__": {}}) == row["answer"]
+        assert all(str(int(n)) in row["question"] for n in row["expression"].split() if n.isdigit())
+    with pytest.raises(ValueError, match="split"):
+        problems.make("dev", 1)
+
+
+def test_the_shaped_reward_reads_the_tool_call_from_the_spans():
+    task = {"answer": 55, "question": "Sam has 12 bags of 4 apples and 7 more apples. How many?"}
+
+    def tool(arguments: str, result: str, as_text: bool = False) -> dict:
+        attributes = {"gen_ai.tool.call.arguments": arguments, "gen_ai.tool.call.result": result}
+        return {"operation_name": "execute_tool", "attributes": json.dumps(attributes) if as_text else attributes}
+
+    right = tool('{"expression": "12 * 4 + 7"}', "55", as_text=True)
+    assert math_reward.shaped(task, {"final_output": "It is 55.", "spans": []}) == 1.0
+    assert math_reward.shaped(task, {"final_output": "done", "spans": [right]}) == 0.6
+    assert math_reward.shaped(task, {"final_output": "54", "spans": [tool('{"expression": "12 * 4 + 6"}', "54")]}) \
+        == pytest.approx(0.1 + 0.3 * 2 / 3)
+    assert math_reward.shaped(task, {"final_output": "9", "spans": [tool('{"expression": "1 + 8"}', "9")]}) == 0.1
+    assert math_reward.shaped(task, {"final_output": "?", "spans": [tool('{"x": 12}', "error: not arithmetic")]}) == 0.0
+    assert math_reward.shaped(task, {"final_output": "?", "spans": []}) == 0.0
+    assert math_reward.shaped({}, {"final_output": "55"}) is None
+
+
+def check_rollout(db: Path, rollout_id: str, tokenizer) -> list[dict]:
+    """The rollout's spans and its trajectory: each request once, each with its token record."""
+    names = set(client.query(f"SELECT DISTINCT name FROM spans WHERE rollout_id = '{rollout_id}'", db)["name"])
+    assert {"Agent Workflow", "calculator.agent", "openai.response", "openai.chat"} <= names, names
+    calls = client.query(f"SELECT * FROM trajectory_calls WHERE rollout_id = '{rollout_id}' ORDER BY turn",
+                         db).to_dicts()
+    served = client.query(f"SELECT count(*) AS n FROM generations WHERE rollout_id = '{rollout_id}'", db)["n"][0]
+    raw = client.query(f"SELECT count(*) AS n FROM llm_calls WHERE rollout_id = '{rollout_id}'", db)["n"][0]
+    assert calls and len(calls) == served and raw == 2 * served, (len(calls), served, raw)
+    assert all(c["record_span_id"] and c["duplicates"] == 1 and c["agent"] == "calculator" for c in calls), calls
+    first = tokenizer.decode(calls[0]["prompt_ids"])
+    assert first.endswith(FORCED) and "<tools>" in first and '"calculate"' in first
+    tools = client.query(f"SELECT attributes FROM spans WHERE rollout_id = '{rollout_id}' AND "
+                         "operation_name = 'execute_tool'", db).to_dicts()
+    if len(calls) > 1:  # the SDK ran the tool and sent its result back
+        assert tools and "<tool_response>" in tokenizer.decode(calls[1]["prompt_ids"])
+    return calls
+
+
+@pytest.mark.heavy
+def test_the_agent_function_runs_in_the_worker_with_one_record_per_request(engine, tmp_path, tokenizer):
+    engine.use_base()
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in problems.make("train", 3, 0)))
+    db = tmp_path / "traces.duckdb"
+    summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{EXAMPLE / 'agent.py'}:run", n=2, concurrency=6,
+                                         db=db, reward=f"{EXAMPLE / 'reward.py'}:shaped", temperature=0.5,
+                                         max_tokens=48, timeout_s=240), engine=engine)
+    assert [r.status for r in summary.results] == ["ok"] * 6
+    assert all(r.reward in (0.0, 0.2, 0.5, 1.0) for r in summary.results)
+    for result in summary.results:
+        check_rollout(db, result.rollout_id, tokenizer)
+
+
+@pytest.mark.heavy
+def test_the_unchanged_script_under_opentelemetry_instrument(gateway, collector, db_path, tokenizer, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LIGHTNING_OTEL_", "OPENAI_"))}
+    env.update({"OPENAI_BASE_URL": gateway.base_url("ro-agents"), "OPENAI_API_KEY": "k",
+                "LIGHTNING_OTEL_ENDPOINT": collector.url, "OTEL_RESOURCE_ATTRIBUTES": "lightning.rollout.id=ro-agents"})
+    question = problems.make("test", 1, 0)[0]["question"]
+    result = subprocess.run([str(Path(sys.executable).parent / "opentelemetry-instrument"), sys.executable,
+                             str(EXAMPLE / "agent.py"), "--question", question, "--model", "policy"],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    gateway.flush()
+    check_rollout(db_path, "ro-agents", tokenizer)
