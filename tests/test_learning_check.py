@@ -51,6 +51,7 @@ def test_grpo_raises_the_reward_it_is_given_and_the_inverted_control_lowers_it(e
     args = learning_check.parse(["--out", str(tmp_path), "--rounds", str(rounds), "--pool", "4", "--val", "0",
                                  "-n", "4", "--min-rise", "0"])
     result = learning_check.check(args, engine)
+    assert engine.policy_version == 0 and engine.model_name == engine.base_name  # the shared engine, as found
     detail = json.dumps(result["curves"], indent=1)
     assert result["checks"] == {"reward run rises": True, "control falls": True,
                                 "new policy served every round": True}, detail

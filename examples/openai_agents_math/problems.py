@@ -6,7 +6,7 @@ calculator on problems the policy never saw, not recall of answers.
 
     python examples/openai_agents_math/problems.py --split train --count 64 --seed 0 > train.jsonl
 
-Each line: {"task_id", "question", "answer" (an integer), "expression", "template", "split"}.
+Each line: {"id" (the task id), "question", "answer" (an integer), "expression", "template", "split"}.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def make(split: str, count: int, seed: int = 0) -> list[dict]:
         answer = eval(filled, {"__builtins__": {}})  # our own template of integers and + - *
         if answer <= 0:
             continue
-        rows.append({"task_id": f"{split}-{seed}-{len(rows):04d}",
+        rows.append({"id": f"{split}-{seed}-{len(rows):04d}",
                      "question": text.format(name=rng.choice(NAMES), **numbers),
                      "answer": answer, "expression": filled, "template": template_id, "split": split})
     return rows
