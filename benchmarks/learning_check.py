@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from grpo_knobs import add_knobs, knob_settings
 from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.model import resolve_model
 from lightning_otel.rewards import bundled_data_dir, database_path, extract_sql, sql_outcome
@@ -84,10 +85,7 @@ def settings(args, out: Path) -> dict:
     return dict(tasks=str(write(chosen[:args.pool], out / "pool.jsonl")),
                 val_tasks=str(write(chosen[args.pool:], out / "val.jsonl")) if args.val else "",
                 agent=AGENTS.get(args.agent, args.agent), n=args.n, tasks_per_round=args.pool,
-                rounds=args.rounds,
-                lr=args.lr, lora_rank=args.lora_rank, max_tokens=args.max_tokens, temperature=args.temperature,
-                batch_size=args.batch_size, micro_batch=args.micro_batch, concurrency=args.concurrency,
-                epochs=args.epochs, seed=args.seed, autocast=args.autocast)
+                rounds=args.rounds, **knob_settings(args))
 
 
 def curve(run: Path) -> list[dict]:
@@ -147,16 +145,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool", type=int, default=4, help="questions in the fixed pool (every round uses all)")
     p.add_argument("--val", type=int, default=4, help="validation questions (0: none)")
     p.add_argument("-n", type=int, default=4, help="samples per question")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--epochs", type=int, default=2, help="passes over a round's transitions")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--autocast", action="store_true", help="bf16 forward passes (CPUs with bf16 instructions)")
+    add_knobs(p, lr=1e-3, epochs=2, batch_size=4, max_tokens=32, temperature=0.7, concurrency=4)
     p.add_argument("--agent", default="one-call", help=f"{' or '.join(AGENTS)}, or an agent command or module:function")
     p.add_argument("--arms", default="reward,inverted", help="which runs, comma-separated")
     p.add_argument("--min-rise", type=float, default=0.15)

