@@ -233,12 +233,24 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=3, help="agents running at once")
     parser.add_argument("--max-tokens", type=int, help="answer length (default 96; with --link 192)")
     parser.add_argument("--temperature", type=float, default=0.7, help="GRPO sampling temperature")
+    parser.add_argument("--agent-fn", action="store_true", help="run the example's run(task, llm) function in one "
+                        "agent worker process (in-process mode) instead of a process per rollout")
+    parser.add_argument("--pool", type=float, nargs=2, metavar=("LOW", "HIGH"), help="GRPO pool filter: before "
+                        "round 1, keep the GRPO questions whose pass rate under the warm-started policy (-n samples "
+                        "at --temperature) lies in [LOW, HIGH], e.g. 0.125 0.875")
+    parser.add_argument("--agents", default="", help="train only the LLM calls of matching agents (a regex over "
+                        "agent names; LangGraph: node names, e.g. write_query)")
+    parser.add_argument("--reward", default="spider_exec", help="GRPO reward (registered name; spider_shaped: "
+                        "partial credit for SQL that executes, or names only what the schema has)")
+    parser.add_argument("--batch-size", type=int, default=16, help="GRPO transitions per optimizer step")
+    parser.add_argument("--no-group-steps", action="store_true", help="GRPO steps mix groups at random instead of "
+                        "filling each step with one group's samples (so each step averages over many groups)")
     parser.add_argument("--no-base", action="store_true", help="skip the base model's evaluation (the longest, "
                         "and the same for every run on the same model; its paired line is then left out)")
     args = parser.parse_args()
     if args.repair and args.agent != "sql_agent":
         parser.error("--repair walks the LangGraph agent's review and rewrite steps: use it with --agent sql_agent")
-    if args.link and args.agent != "sql_agent":
+    if args.link and args.agent != "sql_agent" and not args.agent_fn:
         parser.error("--link needs an agent that takes --max-tokens (its linked answers are longer): --agent sql_agent")
     args.max_tokens = args.max_tokens or (LINKED_MAX_TOKENS if args.link else 96)
     args.lr = args.lr or (5e-5 if args.lora else 1e-5)
@@ -261,7 +273,9 @@ def main() -> None:
         data = args.out / "data"
     if args.link:
         write(with_links(read_rows(tasks["sft"]), data), tasks["sft"])
-    agent = agent_command(args.agent, args.max_tokens if args.link else None)
+    # In-process mode: the gateway caps each answer at max_tokens (the function asks for more).
+    agent = str(REPO / "examples" / args.agent / "agent.py") + ":run" if args.agent_fn else \
+        agent_command(args.agent, args.max_tokens if args.link else None)
     python = default_engine_python()
     base = resolve_model(args.model, python)
     engine = VLLMEngine(EngineConfig(model_dir=base, python=python,
@@ -313,11 +327,13 @@ def main() -> None:
         if args.link:  # every answer that writes the gold query copies its schema lines first
             labels, repair_labels = ([LINKED_LABEL if x == SQL_LABEL else x for x in xs]
                                      for xs in (labels, repair_labels))
-        settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward="spider_exec", output_dir=str(args.out / "run"),
+        settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward=args.reward, output_dir=str(args.out / "run"),
                         n=args.n, tasks_per_round=args.tasks_per_round, max_tokens=args.max_tokens,
                         sft_tasks=str(tasks["sft"]), sft_label=labels,
                         sft_epochs=args.sft_epochs,
-                        lr=args.lr, sft_lr=args.sft_lr, batch_size=16, micro_batch=args.micro_batch,
+                        lr=args.lr, sft_lr=args.sft_lr, batch_size=args.batch_size, micro_batch=args.micro_batch,
+                        agents=args.agents,
+                        **(dict(pool_min_pass=args.pool[0], pool_max_pass=args.pool[1]) if args.pool else {}),
                         concurrency=args.concurrency, temperature=args.temperature,
                         data_dir=str(data) if args.renamed or args.grpo_renamed else "",  # "": the bundled data
                         full_finetune=not args.lora, serve_merged=args.lora, autocast=args.autocast,
@@ -344,7 +360,8 @@ def main() -> None:
             timings["sft+repair"] = time.perf_counter() - began
             run_eval(label, weights(run / "checkpoints" / "sft", start))
         began = time.perf_counter()
-        train(TrainConfig(rounds=args.rounds, **settings), engine=engine, progress=progress)
+        train(TrainConfig(rounds=args.rounds, group_steps=not args.no_group_steps, **settings), engine=engine,
+              progress=progress)
         timings["grpo"] = time.perf_counter() - began
         last = run / json.loads((run / "run.json").read_text())["last"]
         run_eval(f"{label}+grpo", weights(last, start))

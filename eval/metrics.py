@@ -48,9 +48,12 @@ SQL_START = re.compile(r"^\s*(SELECT|WITH)\b", re.IGNORECASE)
 Z95 = 1.959963984540054
 
 # One row per rollout of the evaluation: outcome, task fields, reward, LLM calls and gateway token counts.
-# {ids} is a SQL list of rollout id literals.
+# {ids} is a SQL list of rollout id literals. LLM calls are requests (trajectory_calls): one request that two
+# instrumentations both recorded (the Agents SDK's response span around the OpenAI SDK's chat span) counts once.
 EPISODES_SQL = """
-WITH scored AS (
+WITH requests AS (
+    SELECT rollout_id, count(*) AS calls FROM trajectory_calls WHERE rollout_id IN ({ids}) GROUP BY rollout_id
+), scored AS (
     SELECT rollout_id, any_value(value) AS reward FROM rewards
     WHERE name = '{reward}' AND span_id IS NULL AND rollout_id IN ({ids}) GROUP BY rollout_id
 ), tokens AS (
@@ -59,13 +62,14 @@ WITH scored AS (
     FROM generations WHERE rollout_id IN ({ids}) GROUP BY rollout_id
 )
 SELECT r.rollout_id, r.task_id, r.attempt, r.policy_version, r.status, r.error_class, r.duration_s,
-       r.final_output, r.llm_calls, coalesce(k.generations, 0) AS generations,
+       r.final_output, coalesce(q.calls, 0) AS llm_calls, coalesce(k.generations, 0) AS generations,
        coalesce(k.prompt_tokens, 0) AS prompt_tokens, coalesce(k.completion_tokens, 0) AS completion_tokens,
        coalesce(t.fields->>'hardness', 'unknown') AS hardness, t.fields->>'db_id' AS db_id, s.reward
 FROM rollouts r
 LEFT JOIN tasks t ON t.task_id = r.task_id
 LEFT JOIN scored s ON s.rollout_id = r.rollout_id
 LEFT JOIN tokens k ON k.rollout_id = r.rollout_id
+LEFT JOIN requests q ON q.rollout_id = r.rollout_id
 WHERE r.rollout_id IN ({ids})
 ORDER BY r.task_id, r.attempt
 """
@@ -94,11 +98,12 @@ WITH episodes AS ({episodes})
 SELECT llm_calls AS transitions, count(*) AS rollouts FROM episodes GROUP BY llm_calls ORDER BY llm_calls
 """
 
-# Latency as the agent saw it (client LLM spans) and as the engine took (gateway token records).
+# Latency as the agent saw it (client LLM spans, each request once: trajectory_calls keeps the innermost span of
+# a wrapped call) and as the engine took (gateway token records).
 CALL_LATENCY_SQL = """
 SELECT 'llm_call_ms' AS what, count(*) AS calls, avg(duration_ms) AS mean,
        quantile_cont(duration_ms, 0.5) AS p50, quantile_cont(duration_ms, 0.9) AS p90
-FROM llm_calls WHERE rollout_id IN ({ids})
+FROM (SELECT (end_ns - start_ns) / 1e6 AS duration_ms FROM trajectory_calls WHERE rollout_id IN ({ids}))
 UNION ALL
 SELECT 'engine_ms', count(*), avg((end_ns - start_ns) / 1e6), quantile_cont((end_ns - start_ns) / 1e6, 0.5),
        quantile_cont((end_ns - start_ns) / 1e6, 0.9)

@@ -54,3 +54,10 @@ def sleeper(task: dict, llm) -> str:
     time.sleep(600)
     return "never"
 
+
+
+def one_call(task: dict, llm) -> str:
+    """One short model call: the cheapest rollout that still goes through the gateway and is trainable."""
+    reply = llm.openai().chat.completions.create(model=llm.model, max_tokens=8, temperature=1.0,
+                                                 messages=[{"role": "user", "content": task["question"]}])
+    return reply.choices[0].message.content or ""

@@ -50,3 +50,68 @@ def test_a_killed_owner_takes_the_engine_core_and_workers_with_it(how):
     while group_members(group) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not group_members(group), f"left behind after the owner was killed: {group_members(group)}"
+
+
+# ---- full weights loaded into the running engine ---------------------------------------------------------
+
+
+def perturbed_copy(base, out, scale: float = 0.02):
+    """`base` with noise added to every MLP weight: the same architecture and tokenizer, other weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    weights = load_file(str(base / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    save_file({k: v + scale * torch.randn(v.shape, generator=generator).to(v.dtype) if ".mlp." in k else v
+               for k, v in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_only_a_folder_of_the_same_shape_and_tokenizer_loads_in_place(tmp_path):
+    import json
+    import shutil
+
+    from lightning_otel.engine import same_model_shape
+    from lightning_otel.model import bundled_model_dir
+
+    base = bundled_model_dir()
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32", "_name_or_path": "x"}))
+    assert same_model_shape(base, copy)
+    (copy / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    assert not same_model_shape(base, copy)
+    (copy / "config.json").write_text(json.dumps(config))
+    (copy / "tokenizer_config.json").write_text("{}")
+    assert not same_model_shape(base, copy)
+    assert not same_model_shape(base, tmp_path / "missing")
+
+
+@pytest.mark.heavy
+def test_full_weights_load_into_the_running_engine_without_a_restart(engine, tmp_path):
+    engine.use_base()
+    mod = perturbed_copy(engine.base_dir, tmp_path / "perturbed")
+    body = {"messages": [{"role": "user", "content": "Name three SQL keywords."}], "max_tokens": 12,
+            "temperature": 0}
+
+    def answer() -> tuple[list[int], list[float]]:
+        choice = engine.generate("/v1/chat/completions", dict(body))["choices"][0]
+        return choice["token_ids"], [x["logprob"] for x in choice["logprobs"]["content"]]
+
+    base = answer()  # this prompt is now in vLLM's prefix cache, computed with the base weights
+    reloads, restarts, process = engine.reloads, engine.restarts, engine.process
+    engine.load_model(mod, 7)
+    assert (engine.reloads, engine.restarts, engine.process) == (reloads + 1, restarts, process)
+    assert engine.config.model_dir == mod and engine.policy_version == 7
+    moved = answer()
+    gap = sum(abs(a - b) for a, b in zip(base[1], moved[1])) / len(base[1])
+    assert moved[0] != base[0] or gap > 0.02, "the engine still answers with the base weights"
+    engine._post("/reset_prefix_cache", {}, timeout=60)
+    assert answer() == moved  # the first answer after the load did not reuse the base weights' cached prompt
+    engine.use_base()
+    assert (engine.reloads, engine.restarts) == (reloads + 2, restarts) and engine.policy_version == 0
+    assert answer() == base  # back on the base weights, exactly

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_otel.eval.metrics import compute_metrics
 from lightning_otel.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
@@ -94,6 +95,11 @@ def test_the_agent_function_runs_in_the_worker_with_one_record_per_request(engin
     assert all(r.reward in (0.0, 0.6, 1.0) or 0.1 <= r.reward <= 0.4 for r in summary.results), summary.results
     for result in summary.results:
         check_rollout(db, result.rollout_id, tokenizer)
+    # eval counts requests, not spans: the SDK's response span around each chat span does not double them
+    served = client.query("SELECT count(*) AS n FROM generations", db)["n"][0]
+    metrics = compute_metrics(db, [r.rollout_id for r in summary.results], tmp_path)
+    assert metrics["transitions_per_episode"]["mean"] == pytest.approx(served / 6)
+    assert metrics["latency"]["llm_call_ms"]["calls"] == served
     # benchmarks/math_agent.py reads each problem's outcome per policy version back from the store, by task id
     sys.path.insert(0, str(REPO / "benchmarks"))
     import math_agent

@@ -77,6 +77,8 @@ def test_config_layers_defaults_file_and_key_values(tmp_path):
     (["sft_untrained=0"], "leave at least one call trained"),
     (['sft_label=["{query}", "OK"]', "sft_untrained=[0, 2]"], "give call positions of sft_label"),
     (["sft_untrained=first"], "is not a list of whole numbers"),
+    (["pool_min_pass=0.9", "pool_max_pass=0.5"], "need 0 <= pool_min_pass <= pool_max_pass <= 1"),
+    (["pool_max_pass=1.5"], "need 0 <= pool_min_pass <= pool_max_pass <= 1"),
 ])
 def test_bad_config_is_refused_with_what_to_do(args, message):
     with pytest.raises(UserError, match=None) as info:
@@ -217,6 +219,54 @@ def test_offline_training_on_the_stored_traces(trained, tmp_path):
 # ---- resume after a real kill ----------------------------------------------------------------------------
 
 
+def kind_tasks(path: Path, kinds: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"{kind}-{i}", "kind": kind, "question": f"Say {kind}."}) + "\n"
+                            for i, kind in enumerate(kinds)))
+    return path
+
+
+def test_the_pool_filter_keeps_the_tasks_the_starting_policy_sometimes_solves(engine, tmp_path):
+    # train_rewards:by_kind fixes each task's pass rate: always 1, never 0, half 1/2; with [1/8, 7/8] only the
+    # half tasks are kept, measured once and read back by the resumed run.
+    tasks = kind_tasks(tmp_path / "kinds.jsonl", ["always", "half", "never", "half", "always", "never"])
+    config = small_config(tmp_path, tasks=str(tasks), agent=f"{REPO / 'tests' / 'inprocess_agents.py'}:one_call",
+                          reward="train_rewards:by_kind", n=4, tasks_per_round=2, max_tokens=8,
+                          pool_min_pass=0.125, pool_max_pass=0.875)
+    with Trainer(config, engine=engine) as trainer:
+        trainer.run()
+    run = Path(config.output_dir)
+    pool = {row["task_id"]: row for row in map(json.loads, (run / "pool.jsonl").read_text().splitlines())}
+    assert {k: (row["samples"], row["pass_rate"], row["kept"]) for k, row in pool.items()} == {
+        "always-0": (4, 1.0, False), "half-1": (4, 0.5, True), "never-2": (4, 0.0, False),
+        "half-3": (4, 0.5, True), "always-4": (4, 1.0, False), "never-5": (4, 0.0, False)}
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in records] == ["pool", "grpo"]
+    assert (records[0]["pool_tasks"], records[0]["pool_kept"], records[0]["pool_never"],
+            records[0]["pool_always"]) == (6, 2, 2, 2)
+    assert records[1]["rollouts"] == 8 and records[1]["zero_variance_groups"] == 0
+    round_ids = lambda r: {json.loads(x)["id"] for x in (run / "rounds" / f"round-{r:04d}" / "tasks.jsonl")
+                           .read_text().splitlines()}
+    assert round_ids(1) == {"half-1", "half-3"}
+    # Resumed for a second round: the pool is read back, not measured again.
+    config2 = TrainConfig(**{**config.__dict__, "rounds": 2})
+    with Trainer(config2, engine=engine) as trainer:
+        trainer.run()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in records] == ["pool", "grpo", "grpo"] and round_ids(2) == {"half-1", "half-3"}
+    engine.use_base()
+
+
+def test_a_pool_filter_that_keeps_nothing_says_what_it_measured(engine, tmp_path):
+    tasks = kind_tasks(tmp_path / "kinds.jsonl", ["always", "never"])
+    config = small_config(tmp_path, tasks=str(tasks), agent=f"{REPO / 'tests' / 'inprocess_agents.py'}:one_call",
+                          reward="train_rewards:by_kind", n=2, max_tokens=4, pool_min_pass=0.125,
+                          pool_max_pass=0.875)
+    with pytest.raises(UserError) as info, Trainer(config, engine=engine) as trainer:
+        trainer.run()
+    assert "kept no task: of 2 tasks" in str(info.value) and "pass rates from 0.0 to 1.0" in str(info.value)
+    assert "widen the range" in str(info.value)
+
+
 def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
     tasks = spider_tasks(tmp_path / "tasks.jsonl", 4)
     run = tmp_path / "run"
@@ -301,17 +351,15 @@ def test_a_warm_start_killed_twice_walks_and_trains_only_what_it_had_not_saved(e
 
 
 @pytest.mark.heavy
-def test_a_full_fine_tune_round_restarts_the_engine_on_the_new_weights(tmp_path):
-    """full_finetune: every weight trains and the engine (its own: it restarts) serves the saved model after."""
+def test_a_full_fine_tune_round_serves_the_new_weights_without_restarting_the_engine(engine, tmp_path):
+    """full_finetune: every weight trains and the engine serves the saved model after, its weights loaded into
+    the running engine (same architecture and tokenizer: no restart)."""
     from safetensors.torch import load_file
 
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
     from lightning_otel.model import bundled_model_dir
 
-    python = default_engine_python()
-    engine = VLLMEngine(EngineConfig(model_dir=bundled_model_dir(python), python=python, kv_cache_gib=1,
-                                     log_path=tmp_path / "engine.log"))
-    engine.start()
+    engine.use_base()
+    restarts = engine.restarts
     try:
         config = small_config(tmp_path, full_finetune=True, n=2, tasks_per_round=2, batch_size=4, micro_batch=2,
                               max_tokens=16, lr=1e-5)
@@ -320,9 +368,10 @@ def test_a_full_fine_tune_round_restarts_the_engine_on_the_new_weights(tmp_path)
         saved = Path(config.output_dir) / state["last"] / "model"
         assert state["policy_version"] == 1 and (saved / "config.json").is_file()
         assert Path(engine.config.model_dir) == saved and engine.policy_version == 1
+        assert engine.restarts == restarts  # loaded in place
         result = engine.generate("/v1/chat/completions", {"messages": [{"role": "user", "content": "SELECT"}],
                                                           "max_tokens": 4})
-        assert result["choices"][0]["token_ids"]  # the restarted engine answers on the trained weights
+        assert result["choices"][0]["token_ids"]  # the engine answers on the trained weights
         before = load_file(str(bundled_model_dir() / "model.safetensors"))
         after = {}
         for shard in saved.glob("*.safetensors"):
@@ -330,23 +379,19 @@ def test_a_full_fine_tune_round_restarts_the_engine_on_the_new_weights(tmp_path)
         changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
         assert len(changed) > len(before) // 2, f"only {len(changed)} of {len(before)} tensors changed"
     finally:
-        engine.stop()
+        engine.use_base()
 
 
 @pytest.mark.heavy
-def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_back_to_the_base(tmp_path):
-    """serve_merged: after each round the engine (its own: it restarts) serves base + adapter merged; the
-    previous round's merged copy is dropped, its adapter kept; eval on the run brings the engine back to the
+def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_back_to_the_base(engine, tmp_path):
+    """serve_merged: after each round the engine serves base + adapter merged (loaded into the running engine);
+    the previous round's merged copy is dropped, its adapter kept; eval on the run brings the engine back to the
     base model with the adapter hot-loaded."""
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
     from lightning_otel.eval import EvalConfig, evaluate
-    from lightning_otel.model import bundled_model_dir
     from lightning_otel.span_store import client
 
-    python = default_engine_python()
-    base = bundled_model_dir(python)
-    engine = VLLMEngine(EngineConfig(model_dir=base, python=python, kv_cache_gib=1, log_path=tmp_path / "engine.log"))
-    engine.start()
+    engine.use_base()
+    base, restarts = engine.base_dir, engine.restarts
     try:
         config = small_config(tmp_path, serve_merged=True, rounds=2, n=2, tasks_per_round=2, batch_size=4,
                               micro_batch=2, max_tokens=16, temperature=0.7)
@@ -384,8 +429,9 @@ def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_
         summary, versions = evaluated(str(merged), "report-merged")
         assert Path(engine.config.model_dir).resolve() == merged.resolve()
         assert summary["policy"]["adapter"] is None and versions == [2]
+        assert engine.restarts == restarts  # every move between weights was a load into the running engine
     finally:
-        engine.stop()
+        engine.use_base()
 
 
 # ---- using the result ------------------------------------------------------------------------------------

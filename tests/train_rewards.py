@@ -5,3 +5,17 @@ half for writing a SELECT at all, half for brevity (fewer words score higher).""
 def concise_sql(task: dict, rollout: dict) -> float:
     output = rollout.get("final_output") or ""
     return 0.5 * ("select" in output.lower()) + 0.5 / (1.0 + len(output.split()) / 10.0)
+
+
+_calls: dict[str, int] = {}
+_lock = __import__("threading").Lock()
+
+
+def by_kind(task: dict, rollout: dict) -> float:
+    """By the task's `kind`: always 1.0, never 0.0, or (half) 1.0 on every other rollout of the task, so the
+    pool filter's pass rates are known before any rollout runs."""
+    if task["kind"] != "half":
+        return float(task["kind"] == "always")
+    with _lock:
+        seen = _calls[task["id"]] = _calls.get(task["id"], 0) + 1
+    return float(seen % 2)

@@ -39,6 +39,12 @@ class TrainConfig:
     max_tokens: int = 256             # cap on each generation during rollouts
     temperature: float = 1.0          # sampling temperature forced on rollouts; the GRPO loss uses the same (logits / T)
     agent_timeout_s: float = 300.0
+    # the task pool (before round 1): n samples of every task at `temperature` from the starting policy; tasks
+    # whose pass rate (share of samples with reward >= pool_pass_reward) lies outside [pool_min_pass,
+    # pool_max_pass] are dropped, so rounds draw only tasks the policy sometimes solves (groups that disagree)
+    pool_min_pass: float = 0.0
+    pool_max_pass: float = 1.0
+    pool_pass_reward: float = 1.0
     # credit (DESIGN §4)
     gamma: float = 1.0
     agents: str = ""                  # regex: train only the LLM calls of matching agents ("" = all)
@@ -107,6 +113,9 @@ class TrainConfig:
             (self.epochs >= 1 and self.sft_epochs >= 0, "epochs must be >= 1 and sft_epochs >= 0"),
             (self.max_tokens >= 1 and self.max_length > self.max_tokens, "need max_length > max_tokens >= 1"),
             (self.val_every >= 1, "val_every must be >= 1"),
+            (0 <= self.pool_min_pass <= self.pool_max_pass <= 1,
+             f"pool_min_pass = {self.pool_min_pass}, pool_max_pass = {self.pool_max_pass}: pass rates are shares, "
+             f"need 0 <= pool_min_pass <= pool_max_pass <= 1 (e.g. 0.125 and 0.875 for 1/8 to 7/8 with n = 8)"),
             (0 <= self.val_temperature <= 2, f"val_temperature = {self.val_temperature}: choose 0 (greedy) to 2"),
             (self.sft_save_tasks >= 1, "sft_save_tasks must be >= 1 (labelled tasks between saves)"),
             (self.sft_save_steps >= 0, "sft_save_steps must be >= 0 (optimizer steps between saves; 0: none)"),
@@ -124,6 +133,10 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(f"train config: {message}")
+
+    @property
+    def filters_pool(self) -> bool:
+        return self.pool_min_pass > 0 or self.pool_max_pass < 1
 
     def save(self, path: Path) -> None:
         path.write_text(render_toml(self))

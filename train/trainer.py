@@ -11,7 +11,8 @@ the engine as policy version r. An optional SFT warm start runs before round 1 (
 The run folder: config.toml (resolved config), run.json (progress: rounds completed, last and best
 checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
 tensorboard/, reward_curve.png, traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model,
-state}; while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*; train/sft.py).
+state}, pool.jsonl (with pool_min_pass / pool_max_pass: every task's pass rate under the starting policy and
+whether the rounds use it); while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*; train/sft.py).
 Randomness is derived from (seed, round), so a resumed round draws the same tasks and batch order.
 """
 from __future__ import annotations
@@ -39,7 +40,8 @@ from lightning_otel.train.optimize import optimize
 
 log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url",
-                     "share_prefix", "micro_batch_tokens", "sft_save_tasks", "sft_save_steps"}
+                     "share_prefix", "micro_batch_tokens", "sft_save_tasks", "sft_save_steps",
+                     "group_steps"}  # the order of a round's steps only
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -232,6 +234,8 @@ class Trainer:
             self._commit(state, {"round": 0, "phase": "sft", **record})
             drop_partial(self.folder.path)
             self.learner.fresh_optimizer()  # GRPO does not inherit SFT's moments (nor does a resumed run)
+        if c.filters_pool and c.rounds > state["rounds_completed"]:
+            self.tasks = self.filter_pool(state)
         if c.val_tasks and c.rounds > state["rounds_completed"] and not state.get("validated_start"):
             # The curve's first point: the policy GRPO starts from (the base model, or the SFT warm start).
             record = {"round": state["rounds_completed"], "phase": "validation",
@@ -246,6 +250,49 @@ class Trainer:
                 record.update(self.validate(state))
             self._commit(state, record)
         return state
+
+    def filter_pool(self, state: dict) -> list[Task]:
+        """The tasks the rounds draw from: those whose pass rate under the policy the rounds start from lies in
+        [pool_min_pass, pool_max_pass]. Measured once, before round 1 (n samples of every task at the rollout
+        temperature), and kept in pool.jsonl, which a resumed run reads back."""
+        c = self.config
+        pool_file = self.folder.path / "pool.jsonl"
+        if not state.get("pool_done"):
+            started = time.perf_counter()
+            summary = self.rollouts(write_tasks(self.tasks, self.folder.path / "rounds" / "pool" / "tasks.jsonl"),
+                                    c.n, "pool pass rates", c.temperature, c.max_tokens)
+            rewards: dict[str, list[float]] = {t.task_id: [] for t in self.tasks}
+            for result in summary.results:
+                if result.reward is not None:
+                    rewards[result.task_id].append(result.reward)
+            rows = []
+            for task in self.tasks:
+                got = rewards[task.task_id]
+                rate = sum(x >= c.pool_pass_reward for x in got) / len(got) if got else None
+                rows.append({"task_id": task.task_id, "samples": len(got), "pass_rate": rate,
+                             "kept": rate is not None and c.pool_min_pass <= rate <= c.pool_max_pass})
+            write_atomically(pool_file, "".join(json.dumps(row) + "\n" for row in rows))
+            rates = [row["pass_rate"] for row in rows if row["pass_rate"] is not None]
+            state["pool_done"] = True
+            self._commit(state, {"round": state["rounds_completed"], "phase": "pool", "pool_tasks": len(rows),
+                                 "pool_kept": sum(row["kept"] for row in rows),
+                                 "pool_never": sum(rate == 0 for rate in rates),
+                                 "pool_always": sum(rate == 1 for rate in rates),
+                                 "pool_unscored": len(rows) - len(rates),
+                                 "rollout_seconds": time.perf_counter() - started})
+        rows = [json.loads(line) for line in pool_file.read_text().splitlines() if line.strip()]
+        kept = {row["task_id"] for row in rows if row["kept"]}
+        tasks = [task for task in self.tasks if task.task_id in kept]
+        if not tasks:
+            rates = sorted(row["pass_rate"] for row in rows if row["pass_rate"] is not None)
+            raise UserError(f"the pool filter kept no task: of {len(rows)} tasks none has a pass rate in "
+                            f"[{c.pool_min_pass}, {c.pool_max_pass}] (pass: reward >= {c.pool_pass_reward}; "
+                            f"{len(rates)} scored, pass rates from {rates[0] if rates else None} to "
+                            f"{rates[-1] if rates else None}; see {pool_file}). Give more or other tasks, widen "
+                            f"the range, or lower pool_pass_reward")
+        log.info("pool filter: %d of %d tasks kept (pass rate in [%s, %s])", len(tasks), len(rows),
+                 c.pool_min_pass, c.pool_max_pass)
+        return tasks
 
     def _checkpoint(self, state: dict, name: str) -> None:
         """Save the policy and the optimizer state as checkpoint `name`, and serve it as the next version."""

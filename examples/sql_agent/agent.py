@@ -5,6 +5,8 @@ looping back to execute_query until the check passes or three queries were tried
 
 Uses langchain-openai's ChatOpenAI against any OpenAI-compatible endpoint (OPENAI_BASE_URL,
 OPENAI_API_KEY). The last line of stdout is the final SQL (empty when the model never wrote any).
+`run(task, llm)` is the same graph as a function, for the runner's in-process mode
+(`--agent examples/sql_agent/agent.py:run`); it takes `llm` by duck typing and does not import lightning-otel.
 """
 from __future__ import annotations
 
@@ -114,6 +116,16 @@ def build_graph(llm: ChatOpenAI):
     graph.add_conditional_edges("check_query", after_check, ["rewrite_query", END])
     graph.add_edge("rewrite_query", "execute_query")
     return graph.compile()
+
+
+def run(task: dict, llm, temperature: float = 0.7, max_tokens: int = 256) -> str:
+    """Entry point for the in-process mode: `task` has the question and db_path; `llm` any object with
+    base_url, api_key and model. Answers may run to `max_tokens` (the training gateway caps them lower)."""
+    chat = ChatOpenAI(model=llm.model, base_url=llm.base_url, api_key=llm.api_key, temperature=temperature,
+                      max_tokens=max_tokens)
+    final = build_graph(chat).invoke({"question": task["question"], "schema": read_schema(task["db_path"]),
+                                      "db": task["db_path"]})
+    return final.get("sql", "")
 
 
 def main() -> None:
