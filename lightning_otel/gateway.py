@@ -4,11 +4,14 @@ span whose parent is the client's LLM span (named by the request's W3C `tracepar
 
 Routes: POST /v1/chat/completions, /v1/completions, GET /v1/models, each also under /r/<rollout_id>/
 (the runner points each agent at its own prefix). Any model name is served by the current policy, so
-scripts that hard-code `gpt-4o` run unchanged. Streaming is served from the finished generation, one SSE
-chunk per token. Tools: the model's tool-call syntax (Hermes style by default) is parsed into OpenAI
-`tool_calls`; when the model's chat template cannot render tools, tools and tool messages are rendered
-into the prompt in that same syntax, and `tool_choice` "required" or a named function opens the call at the
-end of the prompt for the model to continue ("none" renders no tools).
+scripts that hard-code `gpt-4o` run unchanged. While the temperature is forced (training rollouts), request
+parameters that sample from another distribution than softmax(logits / T) (penalties, logit_bias, guided
+decoding, ...: OFF_POLICY_NEUTRAL) are stripped and listed in the record, or refused (`off_policy_params`).
+Streaming is served from the finished generation, one SSE chunk per token. Tools: the model's tool-call
+syntax (Hermes style by default) is parsed into OpenAI `tool_calls`; when the model's chat template cannot
+render tools, tools and tool messages are rendered into the prompt in that same syntax, and `tool_choice`
+"required" or a named function opens the call at the end of the prompt for the model to continue ("none"
+renders no tools).
 
 Scripted rollouts (`script()`): the calls of one rollout are answered, in order, with given texts instead of
 samples, so an agent can be walked along a labelled path (the SFT warm start's demonstrations). The engine
@@ -22,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -36,11 +39,25 @@ from opentelemetry.trace import SpanKind
 from lightning_otel.distro import LightningSpanExporter
 from lightning_otel.engine import Engine, EngineError
 from lightning_otel.errors import UserError
-from lightning_otel.httpserver import KeepAliveHandler, LocalServer
+from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
 from lightning_otel.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
 GENERATE_SPAN = "lightning.generate"
+STRIPPED_ATTRIBUTE = "lightning.request.stripped"
+# Request parameters that move sampling away from the policy's softmax(logits / T), with their no-op values:
+# vLLM samples (and records logprobs) after penalties, biases, token masks, guided decoding, min_tokens' EOS
+# mask and top-k/p; beam search and best_of select. Passed on: what only truncates (stop), fixes (seed),
+# reports (logprobs) or shapes the prompt (chat_template), whose ids are recorded as sent.
+OFF_POLICY_NEUTRAL: dict[str, tuple] = {
+    "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "typical_p": (1,), "top_a": (0,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "bad_words": ([],), "allowed_token_ids": ([],), "min_tokens": (0,), "use_beam_search": (False,),
+    "best_of": (1,), "watermarking": (False,), "thinking_token_budget": (), "logits_processors": ([],),
+    "response_format": ({"type": "text"},), "structured_outputs": ({},), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "guided_json_object": (False,),
+}
+OFF_POLICY_MODES = ("strip", "refuse")
 
 
 @dataclass
@@ -52,6 +69,7 @@ class GatewayConfig:
     tool_format: str = "hermes"
     native_tools: bool = False  # True when the model's chat template renders `tools` itself
     max_body_bytes: int = 16 * 1024 * 1024
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
     default_max_tokens: int = 512
     # Training rollouts: cap every request's generation length, and sample at one temperature whatever the
     # agent asks (GRPO needs diverse samples; temperature 1 keeps the recorded logprobs those of the policy).
@@ -61,12 +79,19 @@ class GatewayConfig:
     # Prompt collection (the SFT warm start needs only each agent's first prompt): calls of one rollout
     # (its /r/<rollout_id>/ prefix) after this many are refused with a 400 that names the limit.
     max_calls_per_rollout: int | None = None
+    # While `temperature` is forced: what to do with a request's non-neutral OFF_POLICY_NEUTRAL parameters.
+    # "strip" (default: agents send penalties or response_format from their own config, and an unchanged agent
+    # must keep running) drops them and lists them in the record; "refuse" answers 400 naming them.
+    off_policy_params: str = "strip"
 
     def __post_init__(self) -> None:
         try:
             tool_format(self.tool_format)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        if self.off_policy_params not in OFF_POLICY_MODES:
+            raise UserError(f"off_policy_params {self.off_policy_params!r}: choose \"strip\" (drop them and say so "
+                            "in the record) or \"refuse\" (answer 400)")
 
 
 def template_renders_tools(model_dir: Path) -> bool:
@@ -122,6 +147,31 @@ def forced_tool(body: dict) -> tuple[bool, str | None]:
     return True, name
 
 
+def off_policy_params(body: dict, native_tools: bool = False) -> list[str]:
+    """The request's parameters (in request order) whose values make the engine sample from another
+    distribution than softmax(logits / T). With native tools, vLLM guides tool_choice "required" or a named
+    function with a JSON schema; rendered tools force it with a prompt prefix instead, which is harmless."""
+    names = [key for key, value in body.items() if key in OFF_POLICY_NEUTRAL and not _neutral(key, value, body)]
+    if native_tools and body.get("tools") and forced_tool(body)[0]:
+        names.append("tool_choice")
+    return names
+
+
+def _neutral(key: str, value: Any, body: dict) -> bool:
+    if value is None:
+        return True
+    if key == "logit_bias":
+        return isinstance(value, dict) and all(v == 0 for v in value.values())
+    if key == "response_format":
+        return isinstance(value, dict) and value.get("type") == "text"
+    if key == "structured_outputs":  # a dict with no constraint in it (backend or whitespace options only)
+        return isinstance(value, dict) and all(value.get(k) in (None, False) for k in
+                                               ("json", "regex", "choice", "grammar", "json_object", "structural_tag"))
+    if key == "best_of" and value == body.get("n", 1):
+        return True  # as many candidates as answers: no selection
+    return value in OFF_POLICY_NEUTRAL[key]
+
+
 def _check_common(body: dict, max_n: int) -> None:
     n = body.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
@@ -144,13 +194,14 @@ class Gateway:
             exporter = LightningSpanExporter(endpoint=config.collector_url, token=config.collector_token)
             self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
         self.tracer = self.provider.get_tracer("lightning_otel.gateway")
-        self.server = _Server((config.host, config.port), _Handler, self)
+        self.server = _Server((config.host, config.port), _Handler, self, config.connection_limits)
         self.port = self.server.server_address[1]
         self.url = f"http://{config.host}:{self.port}"
         self._thread: threading.Thread | None = None
         self._calls: dict[str, int] = {}
         self._scripts: dict[str, list[str]] = {}
         self._calls_lock = threading.Lock()
+        self._warned: set[str] = set()  # off-policy parameters already logged once
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.server.serve_forever, name="gateway-http", daemon=True)
@@ -197,7 +248,26 @@ class Gateway:
             self._calls[rollout_id] = made + 1
             return None if script is None else script[made]
 
-    def _apply_overrides(self, upstream: dict, scripted: str | None = None) -> None:
+    def _off_policy(self, body: dict, rollout_id: str | None) -> list[str]:
+        """The parameters to strip from this request (refused instead under off_policy_params="refuse"): none
+        unless the temperature is forced, none for a scripted rollout (its answers are not sampled)."""
+        if self.config.temperature is None or rollout_id in self._scripts:
+            return []
+        names = off_policy_params(body, self.config.native_tools)
+        if names and self.config.off_policy_params == "refuse":
+            listed = ", ".join(f"'{n}' {json.dumps(body[n])[:60]}" for n in names)
+            raise BadRequest(f"{listed}: the engine would sample from another distribution than the policy's "
+                             "softmax(logits / T), so the recorded logprobs would not be the ones the learner trains "
+                             "on (this gateway records training rollouts). Drop it from the agent's request or config, "
+                             "or start the gateway with off_policy_params=\"strip\" to drop it here and list it in "
+                             "the record", names[0])
+        for name in set(names) - self._warned:  # once per name: agents send the same config every call
+            log.warning("stripping %r from requests: it changes the sampling distribution (listed in the "
+                        "records as %s)", name, STRIPPED_ATTRIBUTE)
+            self._warned.add(name)
+        return names
+
+    def _apply_overrides(self, upstream: dict, scripted: str | None = None, stripped: list[str] = ()) -> None:
         cap = 1 if scripted is not None else self.config.max_tokens_cap  # a scripted call needs the prompt only
         if cap is not None:
             for key in ("max_tokens", "max_completion_tokens"):
@@ -205,13 +275,14 @@ class Gateway:
                     upstream[key] = min(upstream[key], cap)
         if self.config.temperature is not None:
             upstream["temperature"] = self.config.temperature
-            upstream.pop("top_p", None)
-            upstream.pop("top_k", None)
+        for name in stripped:
+            upstream.pop(name, None)
 
     # ---- chat completions ------------------------------------------------------------------------------
 
     def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
         _check_chat(body, self.config.max_n)
+        stripped = self._off_policy(body, rollout_id)  # before counting: a refused call is not one
         scripted = self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
         tools = body.get("tools") or None
@@ -232,7 +303,7 @@ class Gateway:
                 upstream.update(continue_final_message=True, add_generation_prompt=False)
         if upstream.get("max_tokens") is None and upstream.get("max_completion_tokens") is None:
             upstream["max_tokens"] = self.config.default_max_tokens
-        self._apply_overrides(upstream, scripted)
+        self._apply_overrides(upstream, scripted, stripped)
         started = time.time_ns()
         result = self.engine.generate("/v1/chat/completions", upstream)
         ended = time.time_ns()
@@ -253,7 +324,7 @@ class Gateway:
                    "logprobs": choice.get("logprobs") if body.get("logprobs") else None}
             choices.append(out)
             self._record(headers, rollout_id, requested_model, result.get("id"), out["index"], prompt_ids,
-                         choice.get("token_ids") or [], token_logprobs, started, ended, scripted)
+                         choice.get("token_ids") or [], token_logprobs, started, ended, scripted, stripped)
         pieces = [[scripted] if scripted is not None else _pieces(c) for c in result.get("choices", [])]
         return {"id": result.get("id") or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": requested_model, "choices": choices,
@@ -271,11 +342,12 @@ class Gateway:
         _check_common(body, self.config.max_n)
         if body.get("stream"):
             raise BadRequest("streaming is not supported on /v1/completions; use /v1/chat/completions", "stream")
+        stripped = self._off_policy(body, rollout_id)
         scripted = self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
         upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         upstream.setdefault("max_tokens", self.config.default_max_tokens)
-        self._apply_overrides(upstream, scripted)
+        self._apply_overrides(upstream, scripted, stripped)
         started = time.time_ns()
         result = self.engine.generate("/v1/completions", upstream)
         ended = time.time_ns()
@@ -289,13 +361,13 @@ class Gateway:
                             "finish_reason": choice.get("finish_reason"), "logprobs": None})
             self._record(headers, rollout_id, requested_model, result.get("id"), index,
                          choice.get("prompt_token_ids") or [], choice.get("token_ids") or [], logprobs, started, ended,
-                         scripted)
+                         scripted, stripped)
         return {"id": result.get("id"), "object": "text_completion", "created": int(time.time()),
                 "model": requested_model, "choices": choices, "usage": _usage(result)}
 
     def _record(self, headers: dict[str, str], rollout_id: str | None, requested_model: str, response_id: Any,
                 index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started: int,
-                ended: int, scripted: str | None = None) -> None:
+                ended: int, scripted: str | None = None, stripped: list[str] = ()) -> None:
         attributes = {
             "lightning.policy.version": self.engine.policy_version, "lightning.engine": self.engine.name,
             "gen_ai.request.model": requested_model, "lightning.choice.index": index,
@@ -308,6 +380,8 @@ class Gateway:
             attributes["lightning.rollout.id"] = rollout_id
         if scripted is not None:
             attributes["lightning.scripted.answer"] = scripted
+        if stripped:
+            attributes[STRIPPED_ATTRIBUTE] = list(stripped)
         span = self.tracer.start_span(GENERATE_SPAN, context=extract(headers), kind=SpanKind.SERVER,
                                       start_time=started, attributes=attributes)
         span.end(end_time=ended)

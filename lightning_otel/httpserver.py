@@ -1,24 +1,159 @@
 """What the project's HTTP servers (collector, gateway) share: threads, keep-alive, no Nagle delay,
-IPv6 binding, quiet logging and bounded body draining. Kept light: the stdlib only."""
+IPv6 binding, quiet logging, bounded body draining, and bounds on slow clients (ConnectionLimits).
+
+Slow clients: every read of a request waits at most `read_timeout_s`, the whole request (line, headers,
+body) must arrive within `request_timeout_s`, and a kept-alive connection may wait `idle_timeout_s` for its
+next request. A client too slow mid-request gets 408 and the connection closes; an idle one is closed. The
+clocks run only while a request is received: answers (SSE streams, Arrow query results) are never cut.
+At most `max_connections` connections get a thread; the ones over it get 503 at once. Kept light: the
+stdlib only.
+"""
 from __future__ import annotations
 
+import io
 import logging
 import socket
+import threading
+import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from lightning_otel.errors import UserError
+
 log = logging.getLogger(__name__)
+
+# How long the server keeps reading (and dropping) what a refused or timed-out client still sends after
+# the answer, so that closing with unread bytes does not reset the connection before the answer is read.
+LINGER_S = 1.0
+
+
+@dataclass
+class ConnectionLimits:
+    read_timeout_s: float = 10.0  # the longest one read of a request waits for bytes
+    # Request line + headers + body, from the first byte (from the accept on a new connection). OTLP
+    # exporters give up after 10 s; 32 MB takes well under a second on a local link.
+    request_timeout_s: float = 30.0
+    # A kept-alive connection waiting for its next request. Longer than client pools keep idle connections
+    # (httpx: 5 s), so that the client, not the server, usually closes them: no race with a new request.
+    idle_timeout_s: float = 60.0
+    max_connections: int = 256  # open connections with a thread each; beyond, 503 + Retry-After
+
+    def __post_init__(self) -> None:
+        for name in ("read_timeout_s", "request_timeout_s", "idle_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise UserError(f"{name}={value!r}: give a positive number of seconds")
+        if self.max_connections < 1:
+            raise UserError(f"max_connections={self.max_connections}: at least one connection must be served")
+
+
+class _TooSlow(BaseException):
+    """The client took too long sending its request. A BaseException, like asyncio.CancelledError: handlers
+    catch Exception to answer 500, and must let this through to KeepAliveHandler, which answers 408."""
+
+    def __init__(self, message: str, mid_request: bool):
+        super().__init__(message)
+        self.mid_request = mid_request  # some of the request arrived (else: idle, nothing to answer)
+
+
+class _TimedReader(io.RawIOBase):
+    """The connection's read side under ConnectionLimits. A socket timeout alone bounds one read only: a
+    client sending a byte every few seconds would hold a thread forever."""
+
+    def __init__(self, sock: socket.socket, limits: ConnectionLimits):
+        self._sock = sock
+        self._limits = limits
+        self._deadline: float | None = time.monotonic() + limits.request_timeout_s
+        self._received = False  # any byte of the current request
+
+    def readable(self) -> bool:
+        return True
+
+    def next_request(self) -> None:
+        """Idle until the next request's first byte starts its clock."""
+        self._deadline, self._received = None, False
+
+    def readinto(self, buffer: Any) -> int:
+        limits = self._limits
+        if self._deadline is None:
+            wait = limits.idle_timeout_s
+        else:
+            wait = min(limits.read_timeout_s, self._deadline - time.monotonic())
+            if wait <= 0:
+                raise _TooSlow(f"the request took over {limits.request_timeout_s:g} s to arrive", self._received)
+        self._sock.settimeout(wait)
+        try:
+            n = self._sock.recv_into(buffer)
+        except TimeoutError:
+            if self._deadline is None:
+                raise _TooSlow(f"idle for {wait:g} s", False) from None
+            what = (f"no byte for {wait:g} s" if wait >= limits.read_timeout_s
+                    else f"the request took over {limits.request_timeout_s:g} s to arrive")
+            raise _TooSlow(what, self._received) from None
+        if n and self._deadline is None:
+            self._deadline = time.monotonic() + limits.request_timeout_s
+        self._received = self._received or n > 0
+        return n
+
+
+def _answer_and_close(sock: socket.socket, status: bytes, message: str, extra_headers: bytes = b"") -> None:
+    """Send a last plain-text answer, half-close, and drop what the client still sends for up to LINGER_S."""
+    body = message.encode() + b"\n"
+    head = (b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\nConnection: close\r\n" + extra_headers + b"\r\n")
+    deadline = time.monotonic() + LINGER_S
+    try:
+        sock.settimeout(LINGER_S)
+        sock.sendall(head + body)
+        sock.shutdown(socket.SHUT_WR)
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(1 << 16):
+                break
+    except OSError:
+        pass  # the client went away: nothing left to tell it
 
 
 class LocalServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], handler: type, owner: Any):
+    def __init__(self, address: tuple[str, int], handler: type, owner: Any,
+                 limits: ConnectionLimits | None = None):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.owner = owner
+        self.limits = limits or ConnectionLimits()
+        self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            # Refused on a short-lived thread of its own: the accept loop must not wait on a slow client.
+            log.info("refusing %s: %d connections open (max_connections)", client_address[0],
+                     self.limits.max_connections)
+            threading.Thread(target=self._refuse, args=(request,), name="http-refuse", daemon=True).start()
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        try:
+            _answer_and_close(request, b"503 Service Unavailable",
+                              f"the server has {self.limits.max_connections} connections open (its max_connections); "
+                              f"retry shortly", b"Retry-After: 1\r\n")
+        finally:
+            request.close()
 
 
 class KeepAliveHandler(BaseHTTPRequestHandler):
@@ -26,6 +161,38 @@ class KeepAliveHandler(BaseHTTPRequestHandler):
     # Headers and body go out in separate writes; with Nagle on, keep-alive clients wait ~40 ms for the
     # delayed ACK before the body arrives.
     disable_nagle_algorithm = True
+    server: LocalServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the plain socket file: replaced by one under the server's limits
+        self._reader = _TimedReader(self.connection, self.server.limits)
+        self.rfile = io.BufferedReader(self._reader)
+        self._answering = False
+
+    def handle_one_request(self) -> None:
+        self._answering = False
+        try:
+            super().handle_one_request()
+        except _TooSlow as exc:
+            self.close_connection = True
+            self._close_too_slow(exc)
+        else:
+            self._reader.next_request()
+
+    def send_response_only(self, code: int, message: str | None = None) -> None:
+        if code >= 200:  # not for "100 Continue": the body is still to be received
+            self._answering = True
+            self.connection.settimeout(None)  # an answer takes as long as it takes (streams, big results)
+        super().send_response_only(code, message)
+
+    def _close_too_slow(self, exc: _TooSlow) -> None:
+        if not exc.mid_request:
+            log.debug("%s: closing the connection, %s", self.address_string(), exc)
+            return
+        log.info("%s: closing a request that is too slow to arrive: %s", self.address_string(), exc)
+        if not self._answering:
+            _answer_and_close(self.connection, b"408 Request Timeout", f"request timeout: {exc}")
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s %s", self.address_string(), format % args)

@@ -31,7 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import lightning_otel
 from lightning_otel.errors import UserError
-from lightning_otel.httpserver import KeepAliveHandler, LocalServer
+from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
 from lightning_otel.span_store import discovery, otlp, store
 from lightning_otel.span_store.decoding import DecoderPool
 from lightning_otel.span_store.writer import BatchWriter, Busy
@@ -58,6 +58,7 @@ class CollectorConfig:
     # time; 256 MB doubled sustained ingest (benchmarks/RESULTS.md) for at most that much WAL to replay.
     checkpoint_threshold: str = "256MB"
     decode_workers: int = field(default_factory=lambda: default_decode_workers())
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
 
     def __post_init__(self) -> None:
         self.db = Path(self.db)
@@ -124,7 +125,7 @@ class Collector:
         self.reader = store.Reader(self.con, timeout_s=config.query_timeout_s)
         self._inflight = threading.BoundedSemaphore(config.max_inflight_requests)
         try:
-            self.server = _Server((config.host, config.port), _Handler, self)
+            self.server = _Server((config.host, config.port), _Handler, self, config.connection_limits)
         except OSError as exc:
             self.con.close()
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; "

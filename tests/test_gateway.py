@@ -301,3 +301,65 @@ def test_tool_choice_required_or_named_starts_the_answer_as_a_call_and_none_offe
     assert prompts[1].endswith('<tool_call>\n{"name": "execute_sql", "arguments": ')
     assert "<tools>" in prompts[0] and "<tools>" in prompts[3] and "<tools>" not in prompts[2]
     assert not prompts[2].rstrip().endswith('"') and not prompts[3].rstrip().endswith('"name": "')
+
+
+def test_off_policy_params_are_the_non_neutral_ones():
+    from lightning_otel.gateway import off_policy_params
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {"7": 0},
+               "response_format": {"type": "text"}, "top_p": 1, "top_k": -1, "min_tokens": 0, "best_of": 2, "n": 2,
+               "structured_outputs": {"backend": "xgrammar"}, "seed": 3, "stop": ["\n"], "logprobs": True}
+    assert off_policy_params(neutral) == []
+    shifted = {"logit_bias": {"7": -100}, "min_p": 0.1, "response_format": {"type": "json_object"}, "min_tokens": 4,
+               "use_beam_search": True, "structured_outputs": {"regex": "[0-9]+"}, "guided_json": {}}
+    assert off_policy_params(shifted) == list(shifted)
+    forced = {"tools": [TOOL], "tool_choice": "required"}
+    # vLLM guides a forced call with a JSON schema; rendered tools force it with a prompt prefix instead
+    assert off_policy_params(forced, native_tools=True) == ["tool_choice"] and off_policy_params(forced) == []
+
+
+@pytest.fixture
+def training_gateway(engine, collector, request):
+    """A gateway that records training rollouts (temperature forced) with off_policy_params=request.param."""
+    from lightning_otel.gateway import Gateway, GatewayConfig
+    gw = Gateway(engine, GatewayConfig(collector_url=collector.url, temperature=1.0, max_tokens_cap=2,
+                                       off_policy_params=request.param))
+    gw.start()
+    yield gw
+    gw.close()
+
+
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
+OFF_POLICY = [("logit_bias", {"28": 5}), ("presence_penalty", 0.6), ("frequency_penalty", -0.5),
+              ("repetition_penalty", 1.2), ("response_format", SCHEMA)]
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}}
+
+
+@pytest.mark.parametrize("training_gateway", ["refuse"], indirect=True)
+@pytest.mark.parametrize("name,value", OFF_POLICY)
+def test_refused_off_policy_params_get_a_400_that_names_them_and_says_what_to_do(training_gateway, name, value):
+    code, payload = _chat(training_gateway.base_url("ro-refuse").removesuffix("/v1"),
+                          {"messages": ASK, "max_tokens": 2, "seed": 1, name: value})
+    assert code == 400 and payload["error"]["param"] == name, payload
+    message = payload["error"]["message"]
+    assert f"'{name}'" in message and "recorded logprobs" in message and "off_policy_params" in message
+
+
+@pytest.mark.parametrize("training_gateway", ["refuse"], indirect=True)
+def test_neutral_sampling_values_pass_a_refusing_gateway(training_gateway):
+    code, payload = _chat(training_gateway.url, {"messages": ASK, "max_tokens": 2, **NEUTRAL})
+    assert code == 200, payload
+
+
+@pytest.mark.parametrize("training_gateway", ["strip"], indirect=True)
+def test_stripped_off_policy_params_are_listed_in_the_record_and_neutral_ones_are_not(training_gateway, db_path):
+    prefix = training_gateway.base_url("ro-strip").removesuffix("/v1")
+    assert _chat(prefix, {"messages": ASK, "max_tokens": 2, **dict(OFF_POLICY)})[0] == 200
+    assert _chat(prefix, {"messages": ASK, "max_tokens": 2, **NEUTRAL})[0] == 200
+    status, _, _ = post(prefix + "/v1/completions", json.dumps({"prompt": "SELECT", "max_tokens": 2, "top_p": 0.5,
+                                                                "logit_bias": {}}).encode(), "application/json")
+    assert status == 200
+    training_gateway.flush()
+    rows = client.query("SELECT json_extract(s.attributes, '$.\"lightning.request.stripped\"') AS stripped "
+                        "FROM generations g JOIN spans s USING (trace_id, span_id) WHERE g.rollout_id = 'ro-strip' "
+                        "ORDER BY g.start_ns", db_path)["stripped"].to_list()
+    assert [json.loads(r) if r else None for r in rows] == [[name for name, _ in OFF_POLICY], None, ["top_p"]]
