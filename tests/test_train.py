@@ -1,5 +1,6 @@
 """The trainer end to end on CPU: the bundled SmolLM2-135M under DeepSpeed, the real vLLM engine (shared
-session fixture), the real plain-OpenAI example agent under opentelemetry-instrument, rollouts stored in a
+session fixture), the real plain-OpenAI example agent under opentelemetry-instrument (as an agent function in
+the worker process; as a command in the warm-start kill test), rollouts stored in a
 real DuckDB store through a real collector. A round is 4 tasks x 4 samples with a reward that varies within
 groups (tests/train_rewards.py), so the gradient cannot be zero."""
 from __future__ import annotations
@@ -27,8 +28,11 @@ from lightning_otel.train.trainer import Trainer, round_tasks
 REPO = Path(__file__).resolve().parent.parent
 SPIDER = REPO / "lightning_otel" / "data" / "spider"
 BIN = Path(sys.executable).parent
-AGENT = (f"{BIN / 'opentelemetry-instrument'} {BIN / 'python'} {REPO / 'examples' / 'openai_sql' / 'agent.py'} "
-         "--question {question} --db {db_path}")
+# The example as an agent function: its rollouts run in one worker process under opentelemetry-instrument (an
+# agent process start costs seconds here); the warm-start kill test runs it as a command, one process a rollout.
+AGENT = f"{REPO / 'examples' / 'openai_sql' / 'agent.py'}:run"
+AGENT_COMMAND = (f"{BIN / 'opentelemetry-instrument'} {BIN / 'python'} {REPO / 'examples' / 'openai_sql' / 'agent.py'} "
+                 "--question {question} --db {db_path}")
 REWARD = "train_rewards:concise_sql"
 
 
@@ -79,11 +83,35 @@ def test_config_layers_defaults_file_and_key_values(tmp_path):
     (["sft_untrained=first"], "is not a list of whole numbers"),
     (["pool_min_pass=0.9", "pool_max_pass=0.5"], "need 0 <= pool_min_pass <= pool_max_pass <= 1"),
     (["pool_max_pass=1.5"], "need 0 <= pool_min_pass <= pool_max_pass <= 1"),
+    (["gpu_memory_utilization=1.2"], "share of GPU memory is between 0 and 1"),
+    (["engine_args=--a 'b"], "engine_args = \"--a 'b\": No closing quotation"),
 ])
 def test_bad_config_is_refused_with_what_to_do(args, message):
     with pytest.raises(UserError, match=None) as info:
         load_config(None, args)
     assert message in str(info.value)
+
+
+def test_the_gpu_knobs_reach_the_engine_command(tmp_path):
+    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.train.trainer import engine_config
+
+    config = load_config(None, ["gpu_memory_utilization=0.35", "sleep_mode=true",
+                                "engine_args=--enforce-eager --swap-space '4'", "lora_rank=32", "max_length=4096"])
+    assert config.engine_args == ["--enforce-eager", "--swap-space", "4"]
+    config.save(tmp_path / "saved.toml")
+    assert load_config(tmp_path / "saved.toml") == config
+    assert load_config(None, ['engine_args=["--seed", "1"]']).engine_args == ["--seed", "1"]
+    engine = engine_config(config, bundled_model_dir())
+    assert (engine.gpu_memory_utilization, engine.sleep_mode, engine.max_lora_rank, engine.max_model_len) == (
+        0.35, True, 32, 4096)
+    from lightning_otel.engine import VLLMEngine
+
+    command = VLLMEngine(engine).command()
+    assert command[command.index("--gpu-memory-utilization") + 1] == "0.35" and "--enable-sleep-mode" in command
+    assert command[-3:] == ["--enforce-eager", "--swap-space", "4"]
+    plain = VLLMEngine(engine_config(load_config(None, []), bundled_model_dir())).command()
+    assert "--gpu-memory-utilization" not in plain and "--enable-sleep-mode" not in plain
 
 
 def test_an_sft_label_per_agent_call_survives_key_values_and_the_saved_toml(tmp_path):
@@ -318,7 +346,7 @@ def test_a_warm_start_killed_twice_walks_and_trains_only_what_it_had_not_saved(e
     sft = spider_tasks(tmp_path / "sft.jsonl", 6, "singer")
     run = tmp_path / "run"
     walked, trained = run / "rounds" / "sft" / "walked.jsonl", run / "rounds" / "sft" / "trained.json"
-    command = [str(BIN / "lightning-otel"), "train", f"agent={AGENT}", f"sft_tasks={sft}", "sft_save_tasks=2",
+    command = [str(BIN / "lightning-otel"), "train", f"agent={AGENT_COMMAND}", f"sft_tasks={sft}", "sft_save_tasks=2",
                "sft_save_steps=2", "sft_epochs=3", "rounds=0", "batch_size=2", "micro_batch=2", "max_tokens=16",
                "lora_rank=8", f"output_dir={run}", f"engine_url={engine.url}", "concurrency=2"]
     # 1. killed while walking the labelled tasks, after the first stretch of 2 was saved

@@ -31,8 +31,8 @@ from lightning_otel.span_store import client
 from lightning_otel.train import trajectories
 from lightning_otel.train.credit import ADVANTAGES, EPS, Call, Reward, discounted_returns
 from lightning_otel.train.retokenize import Drift
-from lightning_otel.train.trajectories import (SQL_CALLS, SQL_EPISODE_REWARDS, SQL_REWARD_NAMES, SQL_ROLLOUTS,
-                                                attach_tokens)
+from lightning_otel.train.trajectories import (SQL_CALLS, SQL_COMPUTED_EPISODE_REWARDS, SQL_EPISODE_REWARDS,
+                                                SQL_REWARD_NAMES, SQL_ROLLOUTS, attach_tokens)
 
 # Rewards on inner spans: when each was received (its target's end) and its scope, the target's nearest
 # agent/task/node span, the target itself included (a reward on a sub-agent's span is about that sub-agent).
@@ -63,6 +63,9 @@ SQL_CALL_ANCESTORS = "SELECT trace_id, call_span_id AS span_id, list(ancestor_sp
 class CompileConfig:
     db: Path
     reward: str | None = None
+    # False: the episode reward is only ever one a reward function computed (the trainer's setting), never one
+    # the agent emitted under that name, so an agent cannot reward itself.
+    emitted_rewards: bool = True
     gamma: float = 1.0
     advantage: str = "per-rollout"
     agents: str | None = None
@@ -141,7 +144,8 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
     name = _reward_name(config, read)
     rollouts = read(SQL_ROLLOUTS)
     calls = read(SQL_CALLS)
-    rewards = read(SQL_EPISODE_REWARDS.replace("$name", client.sql_literal(name)))
+    episode_rewards = SQL_EPISODE_REWARDS if config.emitted_rewards else SQL_COMPUTED_EPISODE_REWARDS
+    rewards = read(episode_rewards.replace("$name", client.sql_literal(name)))
     if config.rollout_ids is not None:
         chosen = pl.col("rollout_id").is_in(sorted(config.rollout_ids))
         rollouts, calls = rollouts.filter(chosen), calls.filter(chosen)

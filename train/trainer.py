@@ -122,7 +122,7 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         from lightning_otel.model import resolve_model
         from lightning_otel.engine import default_engine_python
-        from lightning_otel.span_store.collector import Collector, CollectorConfig
+        from lightning_otel.span_store.collector import Collector, private_config
         from lightning_otel.train.learner import Learner
 
         c = self.config
@@ -131,7 +131,7 @@ class Trainer:
         self.model_dir = resolve_model(c.model, python)
         c.save(self.folder.path / "config.toml")
         log.info("train config:\n%s", render_toml(c))
-        self.collector = collector = Collector(CollectorConfig(db=self.db, port=0))
+        self.collector = collector = Collector(private_config(self.db))  # agents get its ingest token only
         collector.start()
         self._stack.callback(collector.close)
         self.learner = Learner(self.model_dir, c)
@@ -159,12 +159,9 @@ class Trainer:
             raise UserError(f"the given engine serves {self._engine.config.model_dir}, but this run trains "
                             f"{self.model_dir}; give an engine on the same base model")
         if self._engine is None:
-            from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+            from lightning_otel.engine import VLLMEngine
 
-            python = self.config.engine_python or default_engine_python()
-            engine = VLLMEngine(EngineConfig(model_dir=self.model_dir, python=python, max_lora_rank=max(
-                16, self.config.lora_rank), max_model_len=self.config.max_length,
-                log_path=self.folder.path / "engine.log"))
+            engine = VLLMEngine(engine_config(self.config, self.model_dir, self.folder.path / "engine.log"))
             if self.config.engine_url:
                 engine.attach(self.config.engine_url)
             else:
@@ -210,7 +207,7 @@ class Trainer:
         if self._worker is None and (agent := parse_agent_function(self.config.agent)) is not None:
             load_agent_function(agent)  # a clear error here, before the worker tries
             info = self.collector.info
-            self._worker = start_agent_worker(agent, info.url, info.token)
+            self._worker = start_agent_worker(agent, info.url, info.ingest_token)
             self._stack.callback(self._worker.close)
         return self._worker
 
@@ -329,8 +326,8 @@ class Trainer:
         self.engine.sleep()
         ids = frozenset(result.rollout_id for result in summary.results)
         frame, account = compile_transitions(CompileConfig(
-            db=self.db, reward=c.reward, gamma=c.gamma, advantage=c.advantage, agents=c.agents or None,
-            merge_turns=c.merge_turns, rollout_ids=ids))
+            db=self.db, reward=c.reward, emitted_rewards=False, gamma=c.gamma, advantage=c.advantage,
+            agents=c.agents or None, merge_turns=c.merge_turns, rollout_ids=ids))
         rows = frame.to_dicts()
         stats = optimize(self.learner, rows, c, "grpo", seed=c.seed * 100_003 + r, epochs=c.epochs,
                          progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done, total))
@@ -382,6 +379,16 @@ class Trainer:
             state.update(best=state["last"], best_metric=mean)
         return {"val_reward_mean": mean, "val_accuracy": sum(x >= 1.0 for x in rewards) / len(rewards) if rewards
                 else None, "val_rewarded": len(rewards), "val_rollouts": len(summary.results)}
+
+
+def engine_config(config: TrainConfig, model_dir: Path, log_path: Path | None = None):
+    """The engine a run starts for itself: its model, adapter rank and context length, and the GPU knobs."""
+    from lightning_otel.engine import EngineConfig, default_engine_python
+
+    return EngineConfig(model_dir=model_dir, python=config.engine_python or default_engine_python(),
+                        max_lora_rank=max(16, config.lora_rank), max_model_len=config.max_length, log_path=log_path,
+                        gpu_memory_utilization=config.gpu_memory_utilization, sleep_mode=config.sleep_mode,
+                        extra_args=list(config.engine_args))
 
 
 def zero_variance_groups(results) -> int:

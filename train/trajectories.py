@@ -32,6 +32,9 @@ FROM token_records WHERE coalesce(choice_index, 0) = 0
 """
 SQL_ROLLOUTS = "SELECT rollout_id, task_id, attempt, status, policy_version FROM rollout_identities"
 SQL_EPISODE_REWARDS = "SELECT rollout_id, reward FROM episode_rewards WHERE reward_name = $name"
+# The same without the rewards the agent emitted: a computed reward outranks those (migration 0007), so this
+# is the computed one, or none when the reward function gave none.
+SQL_COMPUTED_EPISODE_REWARDS = SQL_EPISODE_REWARDS + " AND source <> 'emitted'"
 SQL_REWARD_NAMES = "SELECT name, count(DISTINCT rollout_id) AS rollouts FROM rewards GROUP BY name ORDER BY 2 DESC"
 # The recorded messages of kept calls ($which: without a token record, or with one for --drift).
 SQL_MESSAGES = """
