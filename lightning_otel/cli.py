@@ -27,6 +27,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from lightning_otel.span_store.collector import CollectorConfig, run_collector
 
     config = CollectorConfig(db=args.db, host=args.host, port=args.port, token=args.token,
+                             ingest_token=args.ingest_token, query_token=args.query_token, admin_token=args.admin_token,
                              max_body_bytes=args.max_body_bytes, max_pending_rows=args.max_pending_rows,
                              memory_limit=args.memory_limit,
                              **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}))
@@ -165,7 +166,7 @@ def run_environment(args: argparse.Namespace, base: dict[str, str]) -> dict[str,
         if info is None:
             raise UserError(f"no collector holds {args.db}: start `lightning-otel collect --db {args.db}` first, "
                             f"or give --endpoint")
-        endpoint, token = endpoint or info.url, token or info.token
+        endpoint, token = endpoint or info.url, token or info.ingest_token
     env["OTEL_PYTHON_DISTRO"] = "lightning_otel"
     env["OTEL_PYTHON_CONFIGURATOR"] = "lightning_otel"
     if endpoint:
@@ -361,7 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=4318, help="port (default: 4318, OTLP/HTTP's; 0 = any free)")
-    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on every request")
+    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on every request: the token of every "
+                                   "role not given its own below")
+    p.add_argument("--ingest-token", help="token that may send OTLP (/v1/traces, /v1/logs): the one to give agents")
+    p.add_argument("--query-token", help="token that may run read queries (/v1/query)")
+    p.add_argument("--admin-token", help="token that may do everything, and the only one that may write records "
+                                         "(rewards, tasks, rollout runs: /v1/records) and prune (/v1/prune)")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="largest request body accepted, compressed or not (default: 32 MiB)")
     p.add_argument("--max-pending-rows", type=int, default=200_000,
@@ -405,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", help="collector base URL (default: $LIGHTNING_OTEL_ENDPOINT or "
                                       "http://127.0.0.1:4318)")
     p.add_argument("--db", type=Path, help="send to the collector that holds this store file")
-    p.add_argument("--token", help="bearer token of the collector")
+    p.add_argument("--token", help="bearer token of the collector (default with --db: its ingest token)")
     p.add_argument("--rollout-id", help="resource attribute lightning.rollout.id for every span")
     p.add_argument("--task-id", help="resource attribute lightning.task.id")
     p.add_argument("--attempt", type=int, help="resource attribute lightning.attempt (sample index)")

@@ -56,6 +56,7 @@ from lightning_otel.rollout import new_rollout_id
 
 if TYPE_CHECKING:
     from lightning_otel.inprocess import AgentWorker
+    from lightning_otel.span_store.discovery import CollectorInfo
 
 log = logging.getLogger(__name__)
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -239,8 +240,11 @@ def instrumented(instrument: str, argv: list[str]) -> list[str]:
 
 def agent_environment(base_url: str, collector_url: str, collector_token: str | None, api_key: str | None,
                       model_name: str) -> dict[str, str]:
-    """What every agent process gets (DESIGN §7), less the per-rollout resource attributes."""
+    """What every agent process gets (DESIGN §7), less the per-rollout resource attributes. `collector_token` is
+    the collector's ingest token (agent_token()): with it an agent sends spans, and cannot query the store or
+    write records such as its own reward; a token in the runner's own environment is not passed on."""
     env = dict(os.environ)
+    env.pop("LIGHTNING_OTEL_TOKEN", None)
     env.update({
         "OPENAI_BASE_URL": base_url,
         "OPENAI_API_KEY": api_key or env.get("OPENAI_API_KEY") or "lightning-otel",
@@ -252,6 +256,17 @@ def agent_environment(base_url: str, collector_url: str, collector_token: str | 
     if collector_token:
         env["LIGHTNING_OTEL_TOKEN"] = collector_token
     return env
+
+
+def agent_token(info: CollectorInfo) -> str | None:
+    """The token agents get: the collector's ingest token, with a warning when agents could write records
+    (their own rewards) with it or without one."""
+    admin = info.tokens.get("admin")
+    if admin is None or info.ingest_token == admin:
+        log.warning("agents can write records such as their own rewards to the collector at %s (%s): start it with "
+                    "--ingest-token and --admin-token, or let the runner start its own", info.url,
+                    "it needs no admin token" if admin is None else "its one token is also its admin token")
+    return info.ingest_token
 
 
 def find_instrument() -> str:
@@ -457,7 +472,7 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
     from contextlib import ExitStack
 
     from lightning_otel.span_store import client, discovery
-    from lightning_otel.span_store.collector import Collector, CollectorConfig
+    from lightning_otel.span_store.collector import Collector, private_config
 
     tasks = load_tasks(config.tasks)
     argv = check_inputs(config, tasks, imported=worker is not None)  # before anything starts
@@ -466,7 +481,7 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
     with ExitStack() as owned:
         info = discovery.find_collector(config.db)
         if info is None:
-            collector = Collector(CollectorConfig(db=config.db, port=0))
+            collector = Collector(private_config(config.db))
             collector.start()
             owned.callback(collector.close)
             info = collector.info
@@ -483,7 +498,8 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
             return client.query(f"SELECT * FROM spans WHERE rollout_id = {client.sql_literal(rollout_id)} "
                                 "ORDER BY start_ns", config.db).to_dicts()
 
-        runner = Runner(config, info.url, info.token, lambda table, rows: client.write_records(config.db, table, rows),
+        runner = Runner(config, info.url, agent_token(info),
+                        lambda table, rows: client.write_records(config.db, table, rows),
                         spans_of, base_url_for, policy_version, script, worker)
         return runner.run(tasks, argv, progress)
 
@@ -500,7 +516,8 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
         log.info("starting the vLLM engine (about a minute on CPU)")
         engine.start()
         owned.callback(engine.stop)
-    gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url, collector_token=collector_info.token,
+    gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url,
+                                            collector_token=collector_info.ingest_token,
                                             native_tools=template_renders_tools(engine.config.model_dir),
                                             max_tokens_cap=config.max_tokens, temperature=config.temperature,
                                             max_calls_per_rollout=config.max_calls))

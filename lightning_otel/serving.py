@@ -59,7 +59,7 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
     from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
     from lightning_otel.gateway import Gateway, GatewayConfig, template_renders_tools
     from lightning_otel.span_store import discovery
-    from lightning_otel.span_store.collector import Collector, CollectorConfig
+    from lightning_otel.span_store.collector import Collector, private_config
 
     python = python or default_engine_python()
     policy: Policy = resolve_policy(spec, python)
@@ -68,11 +68,11 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
         if db is not None:
             info = discovery.find_collector(db)
             if info is None:
-                collector = Collector(CollectorConfig(db=db, port=0))
+                collector = Collector(private_config(db))
                 collector.start()
                 owned.callback(collector.close)
                 info = collector.info
-            collector_url, collector_token = info.url, info.token
+            collector_url, collector_token = info.url, info.ingest_token
         if engine is None:
             engine = VLLMEngine(EngineConfig(model_dir=policy.base_model, python=python))
             log.info("starting the vLLM engine on %s", policy.base_model)

@@ -27,8 +27,9 @@ DEFAULT_TIMEOUT_S = 300.0
 def _request(info: discovery.CollectorInfo, path: str, body: bytes, content_type: str,
              timeout: float = DEFAULT_TIMEOUT_S):
     headers = {"Content-Type": content_type}
-    if info.token:
-        headers["Authorization"] = f"Bearer {info.token}"
+    token = info.token_for(path)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(info.url + path, data=body, headers=headers, method="POST")
     try:
         return urllib.request.urlopen(req, timeout=timeout)

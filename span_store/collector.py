@@ -1,11 +1,16 @@
 """The collector: OTLP/HTTP in, DuckDB out, and read-only SQL for everybody else.
 
-Endpoints
-  POST /v1/traces, /v1/logs   OTLP/HTTP, protobuf or JSON, optionally gzip/deflate (OTLP spec responses)
-  POST /v1/query              body: one read statement; answer: Arrow IPC stream
-  POST /v1/prune              body: {"before_ns": int}; answer: JSON counts
-  POST /v1/records            body: {"table": "tasks"|"rollout_runs"|"rewards", "rows": [...]}
-  GET  /health                JSON: pid, db, rows written
+Endpoints                                                                                        role
+  POST /v1/traces, /v1/logs   OTLP/HTTP, protobuf or JSON, optionally gzip/deflate (OTLP spec)  ingest
+  POST /v1/query              body: one read statement; answer: Arrow IPC stream              query
+  POST /v1/prune              body: {"before_ns": int}; answer: JSON counts                    admin
+  POST /v1/records            body: {"table": "tasks"|"rollout_runs"|"rewards", "rows": [...]} admin
+  GET  /health                JSON: pid, db, rows written, which roles need a token (never the tokens)
+
+Each role has its own bearer token (`ingest_token`, `query_token`, `admin_token`; `token` is the one for every
+role not given its own) and the admin token grants every route. A role without a token is open. Agents are
+handed the ingest token only: they can send spans, but not read the store (their tasks' answers are in it)
+nor write records (their own rewards). A request without a known token gets 401, one with another role's 403.
 
 Run it with `lightning-otel collect --db traces.duckdb`. It is the only process that holds the file.
 """
@@ -14,12 +19,14 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +54,10 @@ class CollectorConfig:
     db: Path
     host: str = "127.0.0.1"
     port: int = 4318
-    token: str | None = None
+    token: str | None = None  # for every role not given its own token below
+    ingest_token: str | None = None  # OTLP in (/v1/traces, /v1/logs): what agents are handed
+    query_token: str | None = None  # reads (/v1/query)
+    admin_token: str | None = None  # every route, and the only one for /v1/prune and /v1/records
     max_body_bytes: int = 32 * 1024 * 1024
     max_pending_rows: int = 200_000
     max_inflight_requests: int = 32
@@ -70,8 +80,29 @@ class CollectorConfig:
             raise UserError("max_pending_rows and max_inflight_requests must be positive")
         if self.decode_workers < 0:
             raise UserError("--decode-workers must be 0 (decode in the server process) or more")
-        if self.token == "":
-            raise UserError("--token is empty: give a token, or leave it out to accept requests without one")
+        for role in (None, *discovery.ROLES):
+            if getattr(self, f"{role}_token" if role else "token") == "":
+                raise UserError(f"--{role + '-' if role else ''}token is empty: give a token, or leave it out "
+                                f"(a role without a token accepts requests without one)")
+        tokens = self.role_tokens()
+        for a, b in combinations(discovery.ROLES, 2):
+            explicit = getattr(self, f"{a}_token") is not None or getattr(self, f"{b}_token") is not None
+            if explicit and a in tokens and tokens.get(a) == tokens.get(b):
+                raise UserError(f"the {a} and {b} roles have the same token: give each role its own (an agent "
+                                f"holding the ingest token must not read the store or write rewards), or give "
+                                f"only --token for one token for every role")
+
+    def role_tokens(self) -> dict[str, str]:
+        """role -> the token it needs, for the roles that need one."""
+        tokens = {role: getattr(self, f"{role}_token") or self.token for role in discovery.ROLES}
+        return {role: token for role, token in tokens.items() if token is not None}
+
+
+def private_config(db: Path | str, **overrides: Any) -> CollectorConfig:
+    """A collector a command starts for its own run (the trainer, the runner, `serve`): any free port and a fresh
+    random token per role. Its agents get the ingest token; the command keeps the others (discovery file)."""
+    tokens = {f"{role}_token": secrets.token_urlsafe(32) for role in discovery.ROLES}
+    return CollectorConfig(db=Path(db), port=0, **{**tokens, **overrides})
 
 
 def default_decode_workers() -> int:
@@ -132,9 +163,8 @@ class Collector:
                             f"pick another --port (0 picks a free one)") from None
         self.decoders = DecoderPool(config.decode_workers)
         self.port = self.server.server_address[1]
-        self.info = discovery.CollectorInfo(pid=os.getpid(), host=config.host, port=self.port,
-                                            token=config.token, db=str(self.db),
-                                            version=lightning_otel.__version__)
+        self.info = discovery.CollectorInfo(pid=os.getpid(), host=config.host, port=self.port, db=str(self.db),
+                                            version=lightning_otel.__version__, tokens=config.role_tokens())
         self._serving = threading.Event()
         self.busy_answers = 0
         self._closed = False
@@ -189,14 +219,25 @@ class Collector:
 
     # ---- request handling (called from handler threads) --------------------------------------------
 
-    def authorize(self, header: str | None) -> None:
-        if self.config.token is None:
+    def authorize(self, path: str, header: str | None) -> None:
+        """Let the request through when its token's role may POST `path`, or that role needs no token: 401 when
+        the header carries no token of this collector, 403 when it carries another role's."""
+        tokens = self.info.tokens
+        role = discovery.ROUTE_ROLES.get(path)  # None: no such route (any known token then gets the 404)
+        if not tokens or (role is not None and role not in tokens):
             return
-        expected = f"Bearer {self.config.token}"
-        if header is None or not hmac.compare_digest(header.strip().encode(), expected.encode()):
-            raise RequestError(HTTPStatus.UNAUTHORIZED,
-                               "missing or wrong token: send the header 'Authorization: Bearer <token>' "
-                               "(OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<token>)")
+        held = _roles_holding(tokens, header)
+        if "admin" in held or role in held or (role is None and held):
+            return
+        needed = "a token" if role is None else f"the {role} token" + ("" if role == "admin" else " or the admin one")
+        if not held:
+            how = ("exporters send it with OTEL_EXPORTER_OTLP_HEADERS=Authorization=Bearer%20<token>"
+                   if role == "ingest" else "lightning-otel commands read it from <db>.collector.json")
+            raise RequestError(HTTPStatus.UNAUTHORIZED, f"missing or unknown token: POST {path} needs {needed}; "
+                                                        f"send the header 'Authorization: Bearer <token>' ({how})")
+        raise RequestError(HTTPStatus.FORBIDDEN,
+                           f"this is the {' and '.join(sorted(held))} token, which may not POST {path}: that needs "
+                           f"{needed}, which only whoever started the collector holds (agents get the ingest token)")
 
     def ingest(self, signal_name: str, encoding: str, body: bytes) -> otlp.Decoded:
         try:
@@ -224,7 +265,8 @@ class Collector:
         return self.writer.run_exclusive(lambda con: store.prune(con, before_ns))  # type: ignore[return-value]
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", **asdict(self.info), "token": None,
+        return {"status": "ok", **asdict(self.info), "tokens": None,
+                "token_required": {role: role in self.info.tokens for role in discovery.ROLES},
                 "committed_rows": self.writer.committed_rows, "commits": self.writer.commits,
                 "busy_answers": self.busy_answers}
 
@@ -301,7 +343,7 @@ class _Handler(KeepAliveHandler):
             return self._send_error(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "too many requests in flight",
                                                  retry_after=collector.config.retry_after_s), as_protobuf)
         try:
-            collector.authorize(self.headers.get("Authorization"))
+            collector.authorize(path, self.headers.get("Authorization"))
             if path in SIGNALS:
                 return self._post_signal(SIGNALS[path], as_protobuf)
             if path == "/v1/query":
@@ -412,6 +454,16 @@ class _Handler(KeepAliveHandler):
             raise RequestError(HTTPStatus.BAD_REQUEST, 'records body must be {"table": ..., "rows": [...]}') from None
         written = self.server.collector.writer.run_exclusive(lambda con: store.write_records(con, table, rows))
         self._send(200, orjson.dumps({"written": written}), "application/json")
+
+
+def _roles_holding(tokens: dict[str, str], header: str | None) -> set[str]:
+    """The roles whose token `header` ("Bearer <token>") carries; every token compared in constant time."""
+    scheme, _, sent = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not sent.strip():
+        return set()
+    sent_bytes = sent.strip().encode()
+    matches = {role: hmac.compare_digest(sent_bytes, token.encode()) for role, token in tokens.items()}
+    return {role for role, match in matches.items() if match}
 
 
 def _grpc_code(status: int) -> int:

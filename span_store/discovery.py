@@ -1,15 +1,22 @@
 """Finding a running collector: `<db>.collector.json` next to the DuckDB file (DESIGN §7).
 
-The collector writes the file (pid, host, port, token) once it listens and removes it on exit. A file
-whose pid is dead is stale (the collector was killed) and is removed by whoever finds it.
+The collector writes the file (pid, host, port, its token per role) once it listens and removes it on exit.
+A file whose pid is dead is stale (the collector was killed) and is removed by whoever finds it.
+
+Roles: `ingest` may send OTLP (/v1/traces, /v1/logs), `query` may read (/v1/query), `admin` may do both and
+write (/v1/prune, /v1/records: tasks, rollout runs, computed rewards). A role without a token is open.
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+ROLES = ("ingest", "query", "admin")
+ROUTE_ROLES = {"/v1/traces": "ingest", "/v1/logs": "ingest", "/v1/query": "query",
+               "/v1/prune": "admin", "/v1/records": "admin"}
 
 
 @dataclass(frozen=True)
@@ -17,14 +24,23 @@ class CollectorInfo:
     pid: int
     host: str
     port: int
-    token: str | None
     db: str
     version: str
+    tokens: dict[str, str] = field(default_factory=dict)  # role -> token, for the roles that need one
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def ingest_token(self) -> str | None:
+        """The token to hand agents and exporters: the ingest role's own, never the admin one."""
+        return self.tokens.get("ingest")
+
+    def token_for(self, path: str) -> str | None:
+        """The token a request to `path` needs: its role's, else the admin token (which grants every role)."""
+        return self.tokens.get(ROUTE_ROLES.get(path, "admin")) or self.tokens.get("admin")
 
 
 def info_path(db: Path | str) -> Path:
@@ -68,11 +84,15 @@ def remove_info(db: Path | str, pid: int) -> None:
 def read_info(path: Path, clean_stale: bool = True) -> CollectorInfo | None:
     try:
         raw = json.loads(path.read_text())
+        tokens = raw.get("tokens")
+        if tokens is None and raw.get("token"):  # written by a collector with one token for every role
+            tokens = dict.fromkeys(ROLES, raw["token"])
         info = CollectorInfo(pid=int(raw["pid"]), host=str(raw["host"]), port=int(raw["port"]),
-                             token=raw.get("token"), db=str(raw.get("db", "")), version=str(raw.get("version", "")))
+                             db=str(raw.get("db", "")), version=str(raw.get("version", "")),
+                             tokens={str(k): str(v) for k, v in (tokens or {}).items() if v})
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError, OSError):
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
         if clean_stale:
             path.unlink(missing_ok=True)  # unreadable leftovers would otherwise block every command
         return None
