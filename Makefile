@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup engine crewai demo test test-floors clean
+.PHONY: setup engine crewai demo test test-floors test-asan clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,7 @@ demo: setup engine
 test: setup engine crewai
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) test-floors
+	$(MAKE) test-asan
 
 # Python and the core dependencies at their floors. The test tools come in the same pip call, so pip picks
 # releases that accept the floors (pytest 9.2 needs packaging>=24); pip check: nothing the project declares is missing.
@@ -63,7 +64,7 @@ test: setup engine crewai
 # the C decoder on corrupt input, which no dependency version changes (both run in `make test`).
 FLOORS_TESTS := tests/test_floors.py tests/test_collector_http.py tests/test_sql_ingest_export.py \
 	tests/test_schema.py tests/test_otlp_decode.py tests/test_otlp_fast.py tests/test_distro.py \
-	tests/test_records.py tests/test_trajectories.py \
+	tests/test_records.py tests/test_trajectories.py tests/test_ingest_files.py \
 	--deselect tests/test_distro.py::test_an_allow_list_loads_only_the_named_instrumentations \
 	--deselect tests/test_otlp_fast.py::test_bit_flips \
 	--deselect tests/test_otlp_fast.py::test_every_single_bit_flip_of_a_small_body
@@ -77,5 +78,33 @@ test-floors:
 	$(FLOORS_VENV)/bin/python -m pip check
 	$(FLOORS_VENV)/bin/python -m pytest -q -m "not heavy" $(PYTEST_ARGS) $(FLOORS_TESTS)
 
+# The C decoder parses untrusted network input: its tests again, on an AddressSanitizer/UBSan build of it
+# (tests/otlp_fast_asan.c, which tests/conftest.py loads from LIGHTNING_OTEL_FAST_SO), with FUZZ_SCALE times
+# the examples of each property test. The ASan runtime must be the first library of the process (LD_PRELOAD);
+# CPython does not free everything at exit (detect_leaks=0); --capture=sys, as pytest's default capture of
+# fd 2 would swallow the sanitizer's report. A sanitizer error ends the process before Hypothesis can report
+# the input: `make test-asan HYPOTHESIS_SEED=<the seed printed>` replays the run.
+ASAN_DIR := build/asan
+ASAN_CC ?= gcc
+ASAN_CFLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1 \
+	-Wall -Wextra -fPIC -shared
+FUZZ_SCALE ?= 2
+ifndef HYPOTHESIS_SEED
+HYPOTHESIS_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
+ASAN_TESTS := tests/test_otlp_fast.py tests/test_otlp_decode.py
+
+$(ASAN_DIR)/_otlp_fast.so: span_store/_otlp_fast.c tests/otlp_fast_asan.c $(VENV)/.installed
+	mkdir -p $(ASAN_DIR)
+	$(ASAN_CC) $(ASAN_CFLAGS) -I$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
+		-Ispan_store tests/otlp_fast_asan.c -o $@
+
+test-asan: setup $(ASAN_DIR)/_otlp_fast.so
+	@echo "test-asan: Hypothesis seed $(HYPOTHESIS_SEED)"
+	LD_PRELOAD="$$($(ASAN_CC) -print-file-name=libasan.so) $$($(ASAN_CC) -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	LIGHTNING_OTEL_FAST_SO=$(ASAN_DIR)/_otlp_fast.so LIGHTNING_OTEL_FUZZ_SCALE=$(FUZZ_SCALE) \
+		$(PY) -m pytest -q -p no:cacheprovider --capture=sys --hypothesis-seed=$(HYPOTHESIS_SEED) $(PYTEST_ARGS) $(ASAN_TESTS)
+
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) $(CREWAI_VENV) $(FLOORS_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) $(CREWAI_VENV) $(FLOORS_VENV) $(ASAN_DIR) .pytest_cache .hypothesis

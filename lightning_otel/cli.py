@@ -82,7 +82,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     for error in report.errors:
         print(f"error: {error}", file=sys.stderr)
     if report.errors:
-        print(f"{len(report.errors)} line(s) could not be loaded; the other lines were stored", file=sys.stderr)
+        print(f"{len(report.errors)} part(s) above could not be loaded; everything else was stored", file=sys.stderr)
         return 1
     return 0
 
@@ -386,9 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, help="write to this file instead of stdout")
     p.set_defaults(func=cmd_sql)
 
-    p = sub.add_parser("ingest", help="load OTLP/JSON files (OpenTelemetry Collector file exporter format)",
-                       description="Load files with one OTLP/JSON export request per line (.gz too).")
-    p.add_argument("files", nargs="+", type=Path, help="OTLP/JSON lines files")
+    p = sub.add_parser("ingest", help="load what OpenTelemetry Collectors' file exporters wrote",
+                       description="Load the files of the Collector's `file` exporter: format json (one OTLP/JSON "
+                                   "request per line) or proto (length-prefixed messages), compression zstd or "
+                                   "none, and such files gzip- or zstd-compressed afterwards; the format is read "
+                                   "from each file's first bytes. Traces and logs are stored, metrics skipped. "
+                                   "A damaged line, message or file is reported and everything else is stored.")
+    p.add_argument("files", nargs="+", type=Path, metavar="PATH",
+                   help="a file, a folder (its files, recursively: a rotated set) or a quoted glob "
+                        "('exports/traces*.json')")
     _add_db(p)
     p.set_defaults(func=cmd_ingest)
 

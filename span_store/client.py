@@ -5,7 +5,6 @@ Every function takes the DuckDB file path. When a live collector holds the file 
 """
 from __future__ import annotations
 
-import gzip
 import json
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ import polars as pl
 import pyarrow as pa
 
 from lightning_otel.errors import UserError
-from lightning_otel.span_store import discovery, otlp, store
+from lightning_otel.span_store import discovery, otlp, otlp_files, store
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -111,7 +110,7 @@ def _writable(db: Path | str):
         con.close()
 
 
-# ---- ingest OTLP JSON files (OpenTelemetry Collector file exporter format) ---------------------------
+# ---- ingest the OpenTelemetry Collector's file exports (span_store/otlp_files.py reads them) --------------
 
 @dataclass
 class IngestReport:
@@ -123,31 +122,22 @@ class IngestReport:
     errors: list[str] = field(default_factory=list)
 
 
-def _open_lines(path: Path) -> Iterator[bytes]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        yield from fh
-
-
-def _signal_of(doc: dict) -> str | None:
-    if "resourceSpans" in doc or "resource_spans" in doc:
-        return "traces"
-    if "resourceLogs" in doc or "resource_logs" in doc:
-        return "logs"
-    if "resourceMetrics" in doc or "resource_metrics" in doc:
-        return "metrics"
-    return None
+CONTENT_TYPES = {"json": "application/json", "protobuf": "application/x-protobuf"}
 
 
 def ingest_files(paths: list[Path], db: Path | str) -> IngestReport:
-    """Load OTLP/JSON lines files. A bad line is reported by file and line number; the others are stored."""
+    """Load Collector file exports: files, folders of rotated files, globs (see otlp_files for the formats).
+
+    Every path is checked before anything is loaded. Each request is stored (committed) on its own, so a bad
+    line, message or file is reported by file and line or byte offset and everything else is kept."""
+    files = otlp_files.expand_paths(paths)
     report = IngestReport()
     info = discovery.find_collector(db)
     if info is None:
         with _writable(db) as con:
-            _ingest(paths, report, lambda kind, line, table: _insert_local(con, kind, table))
+            _ingest(files, report, lambda message, table: _insert_local(con, message.signal, table))
     else:
-        _ingest(paths, report, lambda kind, line, table: _post_line(info, kind, line))
+        _ingest(files, report, lambda message, table: _post_message(info, message))
     return report
 
 
@@ -157,39 +147,28 @@ def _insert_local(con, kind: str, table: pa.Table) -> None:
     con.execute("COMMIT")
 
 
-def _post_line(info: discovery.CollectorInfo, kind: str, line: bytes) -> None:
-    _request(info, f"/v1/{kind}", line, "application/json").read()
+def _post_message(info: discovery.CollectorInfo, message: otlp_files.Message) -> None:
+    _request(info, f"/v1/{message.signal}", message.body, CONTENT_TYPES[message.encoding]).read()
 
 
-def _ingest(paths: list[Path], report: IngestReport, send) -> None:
-    for path in paths:
-        if not path.is_file():
-            raise UserError(f"{path}: no such file")
-        for number, line in enumerate(_open_lines(path), start=1):
-            if not line.strip():
+def _ingest(files: list[Path], report: IngestReport, send) -> None:
+    for path in files:
+        for item in otlp_files.read_messages(path):
+            if isinstance(item, otlp_files.Unreadable):
+                report.errors.append(f"{item.where}: {item.reason}")
                 continue
-            where = f"{path}:{number}"
-            try:
-                doc = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                report.errors.append(f"{where}: not JSON ({exc})")
-                continue
-            if not isinstance(doc, dict) or _signal_of(doc) is None:
-                report.errors.append(f"{where}: not an OTLP export request (no resourceSpans/resourceLogs)")
-                continue
-            kind = _signal_of(doc)
-            if kind == "metrics":
+            if item.signal == "metrics":
                 report.skipped_metrics += 1
                 continue
             try:
-                decoded = otlp.DECODERS[(kind, "json")](doc)
+                decoded = otlp.DECODERS[(item.signal, item.encoding)](item.doc if item.doc is not None else item.body)
             except otlp.DecodeFailure as exc:
-                report.errors.append(f"{where}: {exc}")
+                report.errors.append(f"{item.where}: {exc}")
                 continue
-            send(kind, line, decoded.table)
+            send(item, decoded.table)
             report.requests += 1
             report.rejected += decoded.rejected
-            if kind == "traces":
+            if item.signal == "traces":
                 report.spans += decoded.table.num_rows
             else:
                 report.logs += decoded.table.num_rows
