@@ -12,8 +12,30 @@ from pathlib import Path
 
 import pytest
 
-from lightning_otel.span_store import discovery
-from lightning_otel.span_store.collector import Collector, CollectorConfig
+
+def _load_sanitizer_build() -> None:
+    """LIGHTNING_OTEL_FAST_SO=path: the C decoder comes from that .so (`make test-asan`'s ASan/UBSan build)
+    instead of the installed one. It must be in sys.modules before otlp imports it, hence here, first."""
+    path = os.environ.get("LIGHTNING_OTEL_FAST_SO")
+    if not path:
+        return
+    import importlib.machinery
+    import importlib.util
+
+    import lightning_otel.span_store as span_store
+    name = "lightning_otel.span_store._otlp_fast"
+    if name in sys.modules:
+        raise RuntimeError("LIGHTNING_OTEL_FAST_SO is set but the installed C decoder was imported first")
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
+    loader.exec_module(module)
+    sys.modules[name] = span_store._otlp_fast = module
+
+
+_load_sanitizer_build()
+
+from lightning_otel.span_store import discovery  # noqa: E402
+from lightning_otel.span_store.collector import Collector, CollectorConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
