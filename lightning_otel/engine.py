@@ -156,11 +156,23 @@ except ProcessLookupError:
 # config.json keys that do not change what a folder's weights compute or how they are laid out.
 UNSHAPED_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# tokenizer_config.json keys about where a tokenizer was loaded from, not what it does (transformers writes
+# local_files_only as it was loaded: the bundled model offline, a trained checkpoint not).
+UNSHAPED_TOKENIZER_KEYS = {"local_files_only", "name_or_path", "_name_or_path"}
+
+
+def _tokenizer_file(path: Path) -> bytes | dict:
+    if path.suffix != ".json":
+        return path.read_bytes()
+    document = json.loads(path.read_text())
+    return {k: v for k, v in document.items() if k not in UNSHAPED_TOKENIZER_KEYS} if isinstance(document, dict) \
+        else document
 
 
 def same_model_shape(running: Path, other: Path) -> bool:
     """Whether `other`'s weights can load into an engine running `running`: the same model configuration
-    (but for the keys in UNSHAPED_KEYS) and the same tokenizer files, so that only the weights differ."""
+    (but for the keys in UNSHAPED_KEYS) and the same tokenizer files (but for the UNSHAPED_TOKENIZER_KEYS of
+    tokenizer_config.json), so that only the weights differ."""
     try:
         configs = [{k: v for k, v in json.loads((folder / "config.json").read_text()).items()
                     if k not in UNSHAPED_KEYS} for folder in (running, other)]
@@ -168,10 +180,14 @@ def same_model_shape(running: Path, other: Path) -> bool:
         return False
     if configs[0] != configs[1]:
         return False
-    for name in TOKENIZER_FILES:
-        present = [(folder / name).is_file() for folder in (running, other)]
-        if present[0] != present[1] or (present[0] and (running / name).read_bytes() != (other / name).read_bytes()):
-            return False
+    try:
+        for name in TOKENIZER_FILES:
+            present = [(folder / name).is_file() for folder in (running, other)]
+            if present[0] != present[1] or (present[0] and _tokenizer_file(running / name) !=
+                                            _tokenizer_file(other / name)):
+                return False
+    except (OSError, ValueError):
+        return False
     return True
 
 
