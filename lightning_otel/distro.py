@@ -50,6 +50,7 @@ ENV_DEFAULTS = {
     "CREWAI_DISABLE_TELEMETRY": "true",
     "CREWAI_DISABLE_TRACKING": "true",
     "CREWAI_TRACING_ENABLED": "false",
+    "ENABLE_SENSITIVE_DATA": "true",  # Microsoft Agent Framework: message content on its own spans
 }
 
 

@@ -52,6 +52,7 @@ def test_env_defaults_never_override_the_user():
     assert env["OTEL_TRACES_EXPORTER"] == "otlp,console,lightning"  # ours is added beside theirs
     assert env["OTEL_LOGS_EXPORTER"] == "none" and env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
     assert env["TRACELOOP_TRACE_CONTENT"] == "true"
+    assert env["ENABLE_SENSITIVE_DATA"] == "true"
     fresh: dict[str, str] = {"OTEL_TRACES_EXPORTER": "none"}
     distro.apply_env_defaults(fresh)
     assert fresh["OTEL_TRACES_EXPORTER"] == "lightning"

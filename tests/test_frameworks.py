@@ -2,9 +2,9 @@
 over the real engine (bundled SmolLM2-135M): every LLM call a framework makes is joined to exactly one
 token record, the record decodes to the text the agent received, and llm_calls names the agent.
 
-Each framework runs from the environment `make test` builds for it (.venv for the plain SDK, LangGraph and
-AutoGen; .venv-crewai for CrewAI, which pins openai<3). The model is weak: the assertions hold whatever
-it answers.
+Each framework runs from the environment `make test` builds for it (.venv for the plain SDK, LangGraph,
+AutoGen, the OpenAI Agents SDK and Microsoft Agent Framework; .venv-crewai for CrewAI, which pins openai<3).
+The model is weak: the assertions hold whatever it answers.
 """
 from __future__ import annotations
 
@@ -30,14 +30,21 @@ FRAMEWORKS = {
     "sql_agent": (Path(sys.executable).parent, {"write_query", "check_query", "rewrite_query"}),
     "autogen_sql": (Path(sys.executable).parent, {"sql_agent"}),
     "crewai_sql": (REPO / ".venv-crewai" / "bin", {"SQL Analyst"}),
+    "openai_agents_sql": (Path(sys.executable).parent, {"sql_agent"}),
+    "agent_framework_sql": (Path(sys.executable).parent, {"sql_agent"}),
 }
+# Frameworks whose own LLM span wraps the openai SDK's span of the same request (openai.response, chat <model>)
+WRAPPING = {"openai_agents_sql", "agent_framework_sql"}
+FORCED = '<tool_call>\n{"name": "'  # the opening of a tool call the gateway writes for tool_choice "required"
 
+# Each request once (trajectory_calls), with the token records joined to its span.
 CALLS = """
-SELECT c.turn, c.name, c.agent, c.output_messages, count(g.span_id) AS records,
-       any_value(g.completion_ids) AS completion_ids
-FROM llm_calls c LEFT JOIN generations g ON g.trace_id = c.trace_id AND g.llm_span_id = c.span_id
-WHERE c.rollout_id = '{rollout_id}'
-GROUP BY ALL ORDER BY c.turn"""
+SELECT t.turn, c.name, t.agent, t.duplicates, c.output_messages, count(g.span_id) AS records,
+       any_value(g.completion_ids) AS completion_ids, any_value(g.prompt_ids) AS prompt_ids
+FROM trajectory_calls t JOIN llm_calls c ON c.trace_id = t.trace_id AND c.span_id = t.span_id
+LEFT JOIN generations g ON g.trace_id = t.trace_id AND g.llm_span_id = t.span_id
+WHERE t.rollout_id = '{rollout_id}'
+GROUP BY ALL ORDER BY t.turn"""
 
 
 def singer_task() -> dict:
@@ -99,11 +106,18 @@ def test_example_agent_calls_join_token_records(name, gateway, collector, db_pat
     # Nothing the gateway served for this rollout is left unjoined (a request without traceparent would be).
     served = client.query(f"SELECT count(*) AS n FROM generations WHERE rollout_id = 'ro-{name}'", db_path)["n"][0]
     assert served == len(calls)
+    spans = client.query(f"SELECT count(*) AS n FROM llm_calls WHERE rollout_id = 'ro-{name}'", db_path)["n"][0]
+    assert [c["duplicates"] for c in calls] == [int(name in WRAPPING)] * len(calls)
+    assert spans == len(calls) * (1 + int(name in WRAPPING))
 
     seen = []
     for call in calls:
         text, tool_calls = received_text(call["output_messages"])
         decoded = tokenizer.decode(call["completion_ids"], skip_special_tokens=True)
+        if tokenizer.decode(call["prompt_ids"]).endswith(FORCED):
+            # tool_choice "required" (Agents SDK, Agent Framework): the gateway opened the call in the prompt,
+            # and the answer is read as that opening followed by what the model wrote.
+            decoded = FORCED + decoded
         if tool_calls:
             # The gateway turned the model's <tool_call> blocks into OpenAI tool_calls: the agent got the
             # text before the first block (stripped) as content, and each call's name and arguments.
@@ -127,6 +141,37 @@ def test_example_agent_calls_join_token_records(name, gateway, collector, db_pat
         assert names == {None}
     else:
         assert names <= agents and None not in names, names
+    if name == "agent_framework_sql":  # the distro turns Agent Framework's message content on
+        own = client.query("SELECT attr(attributes, 'gen_ai.input.messages') AS messages FROM spans "
+                           f"WHERE rollout_id = 'ro-{name}' AND name LIKE 'chat %'", db_path)["messages"].to_list()
+        assert len(own) == len(calls) and all(task["question"] in m for m in own), own
     if name == "sql_agent":
         assert calls[0]["agent"] == "write_query"
         assert max(len(c["completion_ids"]) for c in calls) <= 24, [len(c["completion_ids"]) for c in calls]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", sorted(WRAPPING))
+def test_agent_functions_run_in_the_worker(name, engine, tmp_path):
+    """The same examples as agent functions (`agent.py:run`), several rollouts at once in one worker process:
+    every rollout ends ok with its calls joined to token records under its agent, and the registered Spider
+    reward scores its final SQL."""
+    from lightning_otel.rewards import SHAPED
+    from lightning_otel.runner import RolloutConfig, run_rollouts
+
+    engine.use_base()
+    tasks = tmp_path / "tasks.jsonl"
+    rows = [json.loads(line) for line in (SPIDER / "dev.jsonl").read_text().splitlines()]
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in [r for r in rows if r["db_id"] == "singer"][:2]))
+    db = tmp_path / "traces.duckdb"
+    summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{REPO / 'examples' / name / 'agent.py'}:run", n=2,
+                                         concurrency=4, db=db, reward="spider_shaped", temperature=0.7,
+                                         max_tokens=48, timeout_s=300), engine=engine)
+    assert [r.status for r in summary.results] == ["ok"] * 4, summary.results
+    assert {r.reward for r in summary.results} <= set(SHAPED.values()) | {1.0}
+    for result in summary.results:
+        assert not result.final_output or result.final_output.upper().startswith(("SELECT", "WITH")), result
+        calls = client.query(f"SELECT agent, duplicates, record_span_id FROM trajectory_calls "
+                             f"WHERE rollout_id = '{result.rollout_id}'", db).to_dicts()
+        assert 1 <= len(calls) <= 3, calls
+        assert all(c["agent"] == "sql_agent" and c["duplicates"] == 1 and c["record_span_id"] for c in calls), calls

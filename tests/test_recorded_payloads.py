@@ -10,7 +10,10 @@ from conftest import FIXTURES, post
 from lightning_otel.span_store import client
 
 OTLP = FIXTURES / "otlp"
-SCENARIOS = ["openai_plain", "openai_stream", "langgraph", "autogen", "crewai", "genai_logs"]
+SCENARIOS = ["openai_plain", "openai_stream", "langgraph", "autogen", "crewai", "genai_logs", "openai_agents",
+             "agent_framework"]
+# The framework's own LLM span (openai.response, chat <model>) wraps the openai SDK's for the same request.
+WRAPPED = {"openai_agents", "agent_framework"}
 
 
 def replay_protobuf(url: str, scenario: str) -> None:
@@ -47,13 +50,17 @@ def test_every_llm_call_is_found_with_its_agent(loaded):
         by_service.setdefault(row["service_name"], []).append(row)
     assert sorted(by_service) == sorted(SCENARIOS)
     for scenario, rows in by_service.items():
-        assert [r["turn"] for r in rows] == [0, 1], scenario
+        if scenario in WRAPPED:
+            assert [r["turn"] for r in rows] == [0, 1, 2, 3], scenario
+            rows = [r for r in rows if r["name"] == "openai.chat"]
+        assert len(rows) == 2, scenario
         assert all(r["input_tokens"] > 0 and r["output_tokens"] > 0 for r in rows), scenario
         assert all(json.loads(r["input_messages"]) and json.loads(r["output_messages"]) for r in rows), scenario
     assert [r["agent"] for r in by_service["langgraph"]] == ["write_query", "answer"]
     assert [r["agent"] for r in by_service["crewai"]] == ["SQL Analyst"] * 2
     assert [r["agent"] for r in by_service["autogen"]] == ["sql_agent"] * 2
     assert [r["agent"] for r in by_service["openai_plain"]] == [None, None]
+    assert {r["agent"] for s in WRAPPED for r in by_service[s]} == {"sql_agent"}
     assert [r["streaming"] for r in by_service["openai_stream"]] == [True, True]
     assert by_service["langgraph"][0]["name"] == "ChatOpenAI.chat"
     # Content captured only in log records (official openai-v2, event_only) still shows up.
@@ -64,8 +71,10 @@ def test_every_llm_call_is_found_with_its_agent(loaded):
 def test_llm_call_spans_are_the_ones_the_model_server_saw(loaded):
     for scenario in SCENARIOS:
         seen = json.loads((OTLP / f"{scenario}.traceparents.json").read_text())
-        calls = client.query(f"SELECT trace_id, span_id FROM llm_calls WHERE service_name = '{scenario}' "
+        # Each request once, in order (trajectory_calls keeps the innermost of spans that wrap one request).
+        calls = client.query(f"SELECT trace_id, span_id FROM trajectory_calls WHERE rollout_id = 'ro-{scenario}-1' "
                              "ORDER BY turn", loaded).to_dicts()
+        assert len(calls) == len(seen) == 2, scenario
         for header, call in zip(seen, calls):
             if header is None:
                 continue  # openai-v2 sends no traceparent
@@ -75,7 +84,11 @@ def test_llm_call_spans_are_the_ones_the_model_server_saw(loaded):
 
 def test_tool_calls(loaded):
     tools = {r["service_name"]: r for r in client.query("SELECT * FROM tool_calls", loaded).to_dicts()}
-    assert sorted(tools) == ["autogen", "langgraph"]
+    assert sorted(tools) == ["agent_framework", "autogen", "langgraph", "openai_agents"]
+    for scenario in WRAPPED:
+        row = tools[scenario]
+        assert (row["tool_name"], row["agent"], row["result"]) == ("execute_sql", "sql_agent", "[[3]]"), scenario
+        assert json.loads(row["arguments"]) == {"query": "SELECT COUNT(*) FROM singer"}, scenario
     lg = tools["langgraph"]
     assert lg["tool_name"] == "execute_sql" and lg["agent"] == "execute_query"
     assert json.loads(lg["arguments"]) == {"query": "SELECT COUNT(*) FROM singer"}
@@ -86,6 +99,19 @@ def test_tool_calls(loaded):
                                 loaded)["output_messages"][0]
     parts = json.loads(first_output)[0]["parts"]
     assert ag["call_id"] in [p.get("id") for p in parts]
+
+
+def test_framework_spans_around_sdk_calls_give_one_call_per_request(loaded):
+    """The Agents SDK's openai.response and Agent Framework's `chat <model>` each wrap the openai SDK's
+    openai.chat span of the same request: the trajectory has each request once, under the agent."""
+    for scenario in WRAPPED:
+        rows = client.query(f"SELECT turn, agent, agent_path, duplicates, span_id FROM trajectory_calls "
+                            f"WHERE rollout_id = 'ro-{scenario}-1' ORDER BY turn", loaded).to_dicts()
+        inner = client.query(f"SELECT span_id FROM llm_calls WHERE service_name = '{scenario}' "
+                             "AND name = 'openai.chat' ORDER BY turn", loaded)["span_id"].to_list()
+        assert [r["span_id"] for r in rows] == inner, scenario
+        assert [(r["turn"], r["agent"], r["agent_path"], r["duplicates"]) for r in rows] == \
+            [(0, "sql_agent", "sql_agent", 1), (1, "sql_agent", "sql_agent", 1)], scenario
 
 
 def test_rollouts_view_groups_every_trace_of_a_rollout(loaded):

@@ -36,8 +36,16 @@ def test_agent_paths_of_the_recorded_frameworks(collector, db_path):
         # CrewAI: crewai.workflow > <task description>.task > <role>.agent > openai.chat
         "ro-crewai-1": [(0, "SQL Analyst", "crewai.workflow/How many singers are there?/SQL Analyst")] +
                        [(1, "SQL Analyst", "crewai.workflow/How many singers are there?/SQL Analyst")],
+        # OpenAI Agents SDK: Agent Workflow > sql_agent.agent > openai.response > openai.chat
+        "ro-openai_agents-1": [(0, "sql_agent", "sql_agent"), (1, "sql_agent", "sql_agent")],
+        # Agent Framework: invoke_agent sql_agent > chat <model> > openai.chat
+        "ro-agent_framework-1": [(0, "sql_agent", "sql_agent"), (1, "sql_agent", "sql_agent")],
     }
-    assert {row["duplicates"] for row in rows} == {0}  # no recorded framework duplicates its calls
+    # The two frameworks that wrap each openai SDK call in a span of their own record each request twice.
+    duplicated = {"ro-openai_agents-1", "ro-agent_framework-1"}
+    assert {row["duplicates"] for row in rows if row["rollout_id"] in duplicated} == {1}
+    assert {row["duplicates"] for row in rows if row["rollout_id"] not in duplicated} == {0}
+    assert {row["name"] for row in rows if row["rollout_id"] in duplicated} == {"openai.chat"}  # the innermost
 
 
 def record(tracer, rollout_id: str, response_id: str, first_token: int, context=None) -> None:

@@ -74,6 +74,17 @@ VENVS: dict[str, list[str]] = {
         "opentelemetry-instrumentation-crewai==0.62.4",
         "crewai==1.15.30",
     ],
+    # The OpenAI Agents SDK (its Traceloop instrumentation) and Microsoft Agent Framework (which emits its own
+    # GenAI spans through opentelemetry-api), both over the openai SDK with the Traceloop openai instrumentation.
+    "rec-agents": OTEL_CORE
+    + [
+        "opentelemetry-instrumentation-openai==0.62.4",
+        "opentelemetry-instrumentation-openai-agents==0.62.4",
+        "openai==3.57.0",
+        "openai-agents==0.24.0",
+        "agent-framework-core==1.23.0",
+        "agent-framework-openai==1.17.0",
+    ],
     # The official (OpenTelemetry contrib) openai-v2 instrumentation emits GenAI log records.
     # It registers the same entry-point name ("openai") as Traceloop's, so it gets its own venv.
     "rec-logs": OTEL_CORE
@@ -113,6 +124,11 @@ SCENARIOS: list[Scenario] = [
                  "CREWAI_DISABLE_VERSION_CHECK": "true",
              },
              description="CrewAI crew, one agent with one tool, one task"),
+    Scenario("openai_agents", "rec-agents", "openai_agents_agent.py",
+             description="OpenAI Agents SDK Agent with a function tool over chat completions"),
+    Scenario("agent_framework", "rec-agents", "agent_framework_agent.py",
+             env={"ENABLE_SENSITIVE_DATA": "true"},
+             description="Microsoft Agent Framework Agent with a function tool over chat completions"),
     Scenario("genai_logs", "rec-logs", "openai_plain.py",
              env={
                  "OTEL_LOGS_EXPORTER": "otlp",
