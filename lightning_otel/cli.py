@@ -283,6 +283,21 @@ class StepProgress:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from lightning_otel.train import distributed
+
+    if distributed.launched():  # one rank of several (torchrun, deepspeed): rank 0 runs the run, the rest follow
+        distributed.init()
+        if distributed.rank() > 0:
+            distributed.follow()
+            return 0
+    code = _train(args)
+    # Only after a run that ended well: after an error the other ranks may be inside a step rank 0 left, and the
+    # launcher stops them when rank 0 exits with an error.
+    distributed.release()
+    return code
+
+
+def _train(args: argparse.Namespace) -> int:
     from lightning_otel.train.config import load_config, render_toml
 
     config = load_config(args.config, args.overrides)
@@ -354,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train existing LLM agents with RL from their OpenTelemetry traces.")
     parser.add_argument("--version", action="version", version=f"lightning-otel {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    # DeepSpeed's launcher passes --local_rank=N first; the rank is read from LOCAL_RANK/RANK instead.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("collect", help="run the OTLP/HTTP collector that writes spans into a DuckDB file",

@@ -6,6 +6,8 @@ MASTER_ADDR, MASTER_PORT; else it tries MPI): `distributed_env()` sets them for 
 launcher did. On CPU it uses gloo and compiles its shared-memory collective once (~30 s, cached under
 TORCH_EXTENSIONS_DIR). When LOCAL_SIZE is set (the deepspeed launcher does; a one-process run here does not) the
 op creates an allreduce buffer in /dev/shm that outlives the process: `close()` removes it.
+Under a launcher with several ranks, rank 0's learner calls that change or save the policy are made by every
+rank (train/distributed.py).
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from pathlib import Path
 import torch
 
 from lightning_otel.engine import native_bf16
+from lightning_otel.train import distributed
 from lightning_otel.train.batch import Batch, completion_logprobs
 from lightning_otel.train.config import TrainConfig
+from lightning_otel.train.distributed import collective
 
 log = logging.getLogger(__name__)
 LORA_TARGETS = "all-linear"
@@ -78,6 +82,9 @@ class Learner:
         import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        distributed.init()
+        distributed.announce("learner", {"model_dir": Path(model_dir), "config": config})
+        self.rank, self.world = distributed.rank(), distributed.world()
         self.config, self.model_dir = config, Path(model_dir)
         if warning := slow_bf16_warning(config, native_bf16(gpu=torch.cuda.is_available())):
             log.warning(warning)
@@ -105,14 +112,15 @@ class Learner:
         distributed_env()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=deepspeed_config(config))
-        log.info("policy: %s, %s, %.1fM trainable parameters, ZeRO %d", model_dir,
+        log.info("policy: %s, %s, %.1fM trainable parameters, ZeRO %d, %d rank(s)", model_dir,
                  "full fine-tune" if config.full_finetune else f"LoRA r{config.lora_rank}",
-                 self.trainable / 1e6, config.zero_stage)
+                 self.trainable / 1e6, config.zero_stage, self.world)
 
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    @collective
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -131,10 +139,18 @@ class Learner:
             return completion_logprobs(self.engine, batch, temperature, self.config.autocast)
 
     def backward(self, loss: torch.Tensor, last_of_step: bool) -> None:
-        """Accumulate gradients; the optimizer steps after the last micro-batch of a step."""
+        """Accumulate gradients; the optimizer steps after the last micro-batch of a step. With several ranks each
+        holds part of the step's loss and DeepSpeed averages their gradients: scaled by the world size, the
+        average is the gradient of the whole step's loss."""
         self.engine.set_gradient_accumulation_boundary(last_of_step)
-        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.backward(loss * self.world if self.world > 1 else loss, scale_wrt_gas=False)
         self.engine.step()
+
+    def grad_norm(self) -> float | None:
+        """The last step's gradient norm over all ranks, before clipping (None when DeepSpeed did not compute it:
+        no gradient clipping)."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     @contextlib.contextmanager
     def _gathered(self):
@@ -147,20 +163,25 @@ class Learner:
         else:
             yield
 
+    @collective
     def save_policy(self, folder: Path) -> Path:
-        """What the rollout engine loads: `folder/adapter` (LoRA) or `folder/model` (full weights)."""
+        """What the rollout engine loads: `folder/adapter` (LoRA) or `folder/model` (full weights), written by
+        rank 0 (every rank takes part in gathering ZeRO 3's partitions)."""
         target = folder / ("model" if self.config.full_finetune else "adapter")
-        target.mkdir(parents=True, exist_ok=True)
         with self._gathered():
-            self.module.save_pretrained(target, safe_serialization=True)
-        if self.config.full_finetune:
+            if self.rank == 0:
+                target.mkdir(parents=True, exist_ok=True)
+                self.module.save_pretrained(target, safe_serialization=True)
+        if self.config.full_finetune and self.rank == 0:
             self.tokenizer.save_pretrained(target)
         return target
 
+    @collective
     def save_state(self, folder: Path) -> None:
         """Optimizer and parameters for resuming (DeepSpeed checkpoint)."""
         self.engine.save_checkpoint(str(folder), tag="state")
 
+    @collective
     def load_state(self, folder: Path, optimizer: bool = True) -> None:
         """Parameters and, with `optimizer`, the optimizer's moments and step counts from a save_state folder.
         Without it the weights alone are loaded (DeepSpeed refreshes its fp32 copies from them) and the
@@ -169,12 +190,16 @@ class Learner:
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint in {folder}")
         if not optimizer:
-            self.fresh_optimizer()
+            self._forget_moments()
 
+    @collective
     def fresh_optimizer(self) -> None:
         """Forget the optimizer's state (Adam's moments and step counts): its next step is a first step.
         SFT's moments are shaped by another loss at another learning rate; carried into GRPO they would steer
         its first updates (and Adam's bias correction would treat them as a long-running average)."""
+        self._forget_moments()
+
+    def _forget_moments(self) -> None:
         self.base_optimizer().state.clear()  # torch optimizers rebuild a parameter's state when it is empty
 
     def base_optimizer(self) -> torch.optim.Optimizer:
@@ -186,6 +211,7 @@ class Learner:
             raise RuntimeError(f"no torch optimizer under {type(self.optimizer).__name__}")
         return inner
 
+    @collective
     def close(self) -> None:
         """Give back the model and optimizer memory, and remove the shared-memory buffer DeepSpeed's CPU collective
         leaves behind. Without `destroy` DeepSpeed keeps the engine reachable and each learner a process builds

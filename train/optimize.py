@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from lightning_otel.train import distributed
 from lightning_otel.train.batch import Batch, collate, common_prefix, plan_micro_batches
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.learner import Learner
@@ -43,6 +44,8 @@ class StepStats:
     kl: list[float] = field(default_factory=list)
     clip_fraction: list[float] = field(default_factory=list)
     ratio_mean: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)  # each step's gradient norm before clipping
+    ranks: int = 1  # processes the steps ran on (train/distributed.py)
     reward_kl: float | None = None  # token-level advantages with kl > 0: mean old_logp - ref_logp over the pass
     # The first micro-batch runs before any update of the pass: its policy is the one that sampled, so its ratio
     # should be ~1 and its clip fraction ~0; anything else means the learner and the engine disagree.
@@ -57,6 +60,7 @@ class StepStats:
                 f"{prefix}trained_tokens": self.trained_tokens, f"{prefix}skipped_too_long": self.skipped_too_long,
                 f"{prefix}loss": mean(self.loss), f"{prefix}kl": mean(self.kl),
                 f"{prefix}clip_fraction": mean(self.clip_fraction), f"{prefix}ratio_mean": mean(self.ratio_mean),
+                f"{prefix}grad_norm": mean(self.grad_norm), f"{prefix}ranks": self.ranks,
                 f"{prefix}reward_kl": self.reward_kl,
                 f"{prefix}first_ratio_mean": self.first.ratio_mean if self.first else None,
                 f"{prefix}first_clip_fraction": self.first.clip_fraction if self.first else None,
@@ -167,9 +171,12 @@ def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective:
              epochs: int = 1, progress: Callable[[int, int], None] | None = None, start_step: int = 0) -> StepStats:
     """Run `epochs` shuffled passes of optimizer steps over `rows` (transition dicts). `start_step` skips the
     first steps of that same order (the learner's state was saved after them); `progress(step, total)` follows
-    every step, counted from the first."""
+    every step, counted from the first. With several ranks, rank 0's call is made by all of them
+    (train/distributed.py) and each runs its share of every step's micro-batches."""
+    distributed.announce("optimize", {"rows": rows, "config": config, "objective": objective, "seed": seed,
+                                      "epochs": epochs, "start_step": start_step})
     chosen = OBJECTIVES[objective]
-    stats = StepStats()
+    stats = StepStats(ranks=learner.world)
     usable = [r for r in rows if fits(r, config.max_length)]
     stats.skipped_too_long = len(rows) - len(usable)
     if stats.skipped_too_long:
@@ -203,16 +210,32 @@ def _step(learner: Learner, rows: list[dict], config: TrainConfig, loss_fn: Loss
     # Micro-batches: rows sharing a prompt start run it once; the others grouped by length so they pad little.
     # The token weights were fixed over the whole step above, so the grouping does not change the loss.
     plans = plan_micro_batches(rows, config.micro_batch, config.share_prefix, config.micro_batch_tokens)
+    # With several ranks, micro-batch i runs on rank i mod world; a rank short of one runs the first with zero
+    # weights, so that all make the same number of backward passes (and collective calls) per step.
+    rank, world = learner.rank, learner.world
+    mine = plans[rank::world]
+    count = math.ceil(len(plans) / world)
     total = kl = 0.0
-    for i, (indices, prefix_len) in enumerate(plans):
+    for i in range(count):
+        real = i < len(mine)
+        indices, prefix_len = mine[i] if real else plans[0]
         batch = collate([rows[j] for j in indices], learner.pad_id, rollout_index, prefix_len)
-        out = loss_fn(learner, batch, token_weights(batch.mask, scale[indices]), config)
-        learner.backward(out.loss, last_of_step=i == len(plans) - 1)
+        weights = token_weights(batch.mask, scale[indices])
+        out = loss_fn(learner, batch, weights if real else torch.zeros_like(weights), config)
+        learner.backward(out.loss, last_of_step=i == count - 1)
+        if not real:
+            continue
         total += float(out.loss.detach())  # weights sum to 1 over the step: the parts add up
         kl += out.kl
         stats.clip_fraction.append(out.clip_fraction)
         stats.ratio_mean.append(out.ratio_mean)
         stats.first = stats.first or replace(out, loss=out.loss.detach())
+    if world > 1:  # the step's loss and KL: the sum of every rank's parts
+        parts = torch.tensor([total, kl], dtype=torch.float64)
+        torch.distributed.all_reduce(parts)
+        total, kl = float(parts[0]), float(parts[1])
+    if (norm := learner.grad_norm()) is not None:
+        stats.grad_norm.append(norm)
     stats.loss.append(total)
     stats.kl.append(kl)
     stats.steps += 1
