@@ -475,8 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="Parquet file to write")
     p.add_argument("--reward", help="reward name (default: the only one stored)")
     p.add_argument("--gamma", type=float, default=1.0, help="discount per later LLM call (default: 1)")
-    p.add_argument("--advantage", choices=["per-rollout", "per-transition"], default="per-rollout",
-                   help="group statistics over rollouts (default) or transitions (Agent Lightning's legacy)")
+    p.add_argument("--advantage", default="per-rollout",
+                   help="per-rollout: group statistics over rollouts (default); per-transition: over transitions "
+                        "(Agent Lightning's legacy); batch-baseline: groups, lone rollouts against each other; "
+                        "reinforce_pp: one baseline over the whole batch, no groups (REINFORCE++, its sequence "
+                        "part: the trainer adds the token-level KL); none")
     p.add_argument("--agents", metavar="REGEX", help="train only LLM calls of agents matching this pattern")
     p.add_argument("--intermediate", action="append", metavar="NAME",
                    help="a reward name whose rows on inner spans add to the returns of their scope (repeatable)")

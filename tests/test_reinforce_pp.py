@@ -100,3 +100,30 @@ def test_a_reinforce_pp_step_with_kl_moves_the_policy_of_a_group_whose_rewards_a
         assert float((weights() - before).abs().max()) > 0
     finally:
         learner.close()
+
+
+def test_compile_and_offline_training_take_reinforce_pp(tmp_path):
+    """`lightning-otel compile --advantage reinforce_pp` on rollouts recorded through the gateway: one baseline
+    over every completion token of the store, groups whose rewards agree kept. Offline GRPO uses it when the
+    config names it (else its batch baseline)."""
+    import polars as pl
+
+    from lightning_otel.cli import main
+    from lightning_otel.train.offline import offline_advantage
+    from test_retokenize import load_rollouts
+
+    db, out = tmp_path / "traces.duckdb", tmp_path / "t.parquet"
+    load_rollouts(db)
+    assert main(["compile", "--db", str(db), "--out", str(out), "--reward", "sql_form",
+                 "--advantage", "reinforce_pp"]) == 0
+    frame = pl.read_parquet(out).with_columns(pl.col("completion_ids").list.len().alias("n"))
+    weighted_mean = float((frame["advantage"] * frame["n"]).sum() / frame["n"].sum())
+    assert abs(weighted_mean) < 1e-6 and frame["advantage"].std() > 0.5
+    assert frame["rollout_id"].n_unique() == 48  # no group left out, not even one whose rewards agree
+    assert main(["compile", "--db", str(db), "--out", str(out), "--advantage", "bogus"]) == 2
+
+    assert offline_advantage(TrainConfig(advantage="reinforce_pp"), "grpo") == "reinforce_pp"
+    assert offline_advantage(TrainConfig(), "grpo") == "batch-baseline"
+    assert offline_advantage(TrainConfig(advantage="reinforce_pp"), "sft") == "none"
+    with pytest.raises(UserError, match="--objective"):
+        offline_advantage(TrainConfig(), "dpo")

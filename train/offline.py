@@ -4,8 +4,9 @@
 
 grpo: the compiler's transitions with the `batch-baseline` advantage: rollouts sharing a (task, policy
       version) group with others are normalised within it (GRPO); rollouts alone in theirs are normalised
-      against all lone rollouts (a batch baseline). Ratios are taken against the recorded sampling logprobs,
-      so older policies' data is clipped like any off-policy sample.
+      against all lone rollouts (a batch baseline). With `advantage = "reinforce_pp"` REINFORCE++ instead:
+      one baseline over all the transitions, no groups, token-level KL with `kl`. Ratios are taken against
+      the recorded sampling logprobs, so older policies' data is clipped like any off-policy sample.
 sft:  rejection-sampling fine-tuning: the transitions of rollouts whose reward reached `--min-reward`.
 The result is a run folder like an online run's (checkpoints/offline, run.json, metrics.jsonl), so `eval`,
 `serve` and `export` take it the same way.
@@ -28,6 +29,15 @@ from lightning_otel.train.trainer import RunFolder
 
 log = logging.getLogger(__name__)
 ADVANTAGE_FOR = {"grpo": "batch-baseline", "sft": "none"}
+GROUPLESS = {"reinforce_pp"}  # advantages that need no groups: offline GRPO takes them as configured
+
+
+def offline_advantage(config: TrainConfig, objective: str) -> str:
+    """The compiler's advantage for an offline pass: batch-baseline for GRPO (stored rollouts rarely form
+    groups) unless the config names a groupless one, none for SFT."""
+    if objective not in ADVANTAGE_FOR:
+        raise UserError(f"--objective {objective!r}: choose one of {sorted(ADVANTAGE_FOR)}")
+    return config.advantage if objective == "grpo" and config.advantage in GROUPLESS else ADVANTAGE_FOR[objective]
 
 
 def selected_rollouts(db: Path, where: str | None) -> set[str] | None:
@@ -46,14 +56,13 @@ def train_offline(config: TrainConfig, db: Path, where: str | None = None, objec
     from lightning_otel.model import resolve_model
     from lightning_otel.train.learner import Learner
 
-    if objective not in ADVANTAGE_FOR:
-        raise UserError(f"--objective {objective!r}: choose one of {sorted(ADVANTAGE_FOR)}")
+    advantage = offline_advantage(config, objective)
     if not Path(db).exists():
         raise UserError(f"--db {db}: no such trace store")
     folder = RunFolder(Path(config.output_dir))
     folder.path.mkdir(parents=True, exist_ok=True)
     frame, account = compile_transitions(CompileConfig(
-        db=Path(db), reward=config.reward or None, gamma=config.gamma, advantage=ADVANTAGE_FOR[objective],
+        db=Path(db), reward=config.reward or None, gamma=config.gamma, advantage=advantage,
         agents=config.agents or None, merge_turns=config.merge_turns))
     chosen = selected_rollouts(Path(db), where)
     rows = [r for r in frame.to_dicts() if chosen is None or r["rollout_id"] in chosen]
