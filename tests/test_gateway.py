@@ -304,7 +304,7 @@ def test_tool_choice_required_or_named_starts_the_answer_as_a_call_and_none_offe
 
 
 def test_off_policy_params_are_the_non_neutral_ones():
-    from lightning_otel.gateway import off_policy_params
+    from lightning_otel.request_checks import off_policy_params
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {"7": 0},
                "response_format": {"type": "text"}, "top_p": 1, "top_k": -1, "min_tokens": 0, "best_of": 2, "n": 2,
                "structured_outputs": {"backend": "xgrammar"}, "seed": 3, "stop": ["\n"], "logprobs": True}
