@@ -129,6 +129,9 @@ def test_round_tasks_cover_every_task_once_per_epoch_and_depend_only_on_seed_and
     assert sorted(epoch) == sorted(t.task_id for t in tasks)
     assert [t.task_id for t in round_tasks(tasks, 1, 2, seed=7)] == epoch[2:4]
     assert epoch != [t.task_id for r in range(3) for t in round_tasks(tasks, r, 2, seed=8)]
+    # More tasks asked than there are (a pool filter kept few): each round is the whole list once, reshuffled.
+    rounds = [[t.task_id for t in round_tasks(tasks, r, 16, seed=7)] for r in range(3)]
+    assert all(sorted(ids) == sorted(t.task_id for t in tasks) for ids in rounds) and rounds[0] != rounds[1]
 
 
 def test_a_run_folder_with_other_settings_is_not_resumed(tmp_path):

@@ -68,7 +68,9 @@ class RunFolder:
 
 def round_tasks(tasks: list[Task], round_index: int, count: int, seed: int) -> list[Task]:
     """The tasks of round `round_index` (0-based): consecutive slices of a per-epoch shuffle of the task
-    list, so every task is used once per epoch and the choice depends only on (seed, round)."""
+    list, so every task is used once per epoch and the choice depends only on (seed, round). A round never
+    holds a task twice: with fewer tasks than `count` (a pool filter that kept few), each round is one epoch."""
+    count = min(count, len(tasks))
     chosen = []
     for position in range(round_index * count, (round_index + 1) * count):
         epoch, offset = divmod(position, len(tasks))
