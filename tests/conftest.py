@@ -164,6 +164,7 @@ def tokenizer(engine):
 @pytest.fixture
 def gateway(engine, collector):
     from lightning_otel.gateway import Gateway, GatewayConfig
+    engine.use_base()  # the base model at policy version 0, whatever an earlier test of the session loaded
     gw = Gateway(engine, GatewayConfig(collector_url=collector.url))
     gw.start()
     yield gw
