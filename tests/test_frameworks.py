@@ -159,10 +159,10 @@ def test_agent_functions_run_in_the_worker(name, engine, tmp_path):
     from lightning_otel.rewards import SHAPED
     from lightning_otel.runner import RolloutConfig, run_rollouts
 
+    from test_inprocess import singer_tasks, write_tasks
+
     engine.use_base()
-    tasks = tmp_path / "tasks.jsonl"
-    rows = [json.loads(line) for line in (SPIDER / "dev.jsonl").read_text().splitlines()]
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in [r for r in rows if r["db_id"] == "singer"][:2]))
+    tasks = write_tasks(tmp_path / "tasks.jsonl", singer_tasks(2))
     db = tmp_path / "traces.duckdb"
     summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{REPO / 'examples' / name / 'agent.py'}:run", n=2,
                                          concurrency=4, db=db, reward="spider_shaped", temperature=0.7,
