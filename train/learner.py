@@ -92,6 +92,9 @@ class Learner:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
         dtype = torch.bfloat16 if config.bf16 else torch.float32
+        # Seeded before the adapters exist: LoRA's A matrices are drawn at random, and a run with the same seed
+        # (or another rank of it) must start from the same ones.
+        torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         model.config.use_cache = False
         self.reference = None
@@ -105,7 +108,6 @@ class Learner:
             model = get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
                                                      target_modules=LORA_TARGETS, lora_dropout=0.0,
                                                      task_type="CAUSAL_LM"))
-        torch.manual_seed(config.seed)
         params = [p for p in model.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in params)
         optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
