@@ -45,6 +45,20 @@ def test_problems_keep_train_and_test_apart_and_are_reproducible():
         problems.make("dev", 1)
 
 
+def test_one_step_problems_have_one_operation_and_their_own_ids():
+    one = problems.make("test", 30, 0, steps=1)
+    assert {r["template"] for r in one} == {t[0] for t in problems.ONE_STEP_TEMPLATES}
+    for row in one:
+        operators = [c for c in row["expression"] if c in "+-*"]
+        assert len(operators) == 1 and row["answer"] > 0
+        assert eval(row["expression"], {"__builtins__": {}}) == row["answer"]
+        assert all(str(int(n)) in row["question"] for n in row["expression"].split() if n.isdigit())
+        assert all(41 <= int(n) <= 99 for n in row["expression"].split() if n.isdigit())
+    assert {r["id"] for r in one}.isdisjoint(r["id"] for r in problems.make("test", 30, 0))
+    with pytest.raises(ValueError, match="steps"):
+        problems.make("test", 1, steps=3)
+
+
 def test_the_shaped_reward_reads_the_tool_call_from_the_spans():
     task = {"answer": 55, "question": "Sam has 12 bags of 4 apples and 7 more apples. How many?"}
 
@@ -132,3 +146,23 @@ def test_the_paired_test_is_exact_mcnemar():
     assert math_agent.mcnemar_p(19, 0) == pytest.approx(2 / 2 ** 19)
     assert math_agent.mcnemar_p(3, 5) == math_agent.mcnemar_p(5, 3) == pytest.approx(2 * (1 + 8 + 28 + 56) / 256)
     assert math_agent.mcnemar_p(4, 4) == 1.0
+
+
+def test_the_difficulty_probe_changes_only_the_agents_instructions(tmp_path):
+    """benchmarks/math_difficulty.py's three-example cell: a module the worker imports as the agent function,
+    the example agent with other instructions and nothing else changed."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import math_difficulty
+
+    assert math_difficulty.agent_spec(tmp_path, None) == f"{EXAMPLE / 'agent.py'}:run"
+    instructions = math_difficulty.three_examples()
+    assert instructions.count("<tool_call>") == 3 and '"expression": "30 - 8 + 5"' in instructions
+    spec = math_difficulty.agent_spec(tmp_path, instructions)
+    path, function = spec.rsplit(":", 1)
+    probe = subprocess.run([sys.executable, "-c", f"""import importlib.util, sys
+spec = importlib.util.spec_from_file_location("probe", {path!r})
+module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+import agent
+print(agent.INSTRUCTIONS == {instructions!r}, module.{function} is agent.run, agent.TOOL_CHOICE)"""],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert probe.stdout.split() == ["True", "True", "required"], probe.stderr[-2000:]

@@ -52,15 +52,25 @@ TEST_TEMPLATES = [
     ("flour", "A bakery had {a} bags of flour. It used {b} bags on Friday and {c} bags on Saturday. "
               "How many bags are left?", "{a} - {b} - {c}"),
 ]
+# One operation each, in the test range: the easiest problems the tool can be used for (difficulty probes,
+# benchmarks/math_difficulty.py); not used by training.
+ONE_STEP_TEMPLATES = [
+    ("shelves", "One shelf holds {a} books and another holds {b} books. How many books are there?", "{a} + {b}"),
+    ("pens", "There are {a} boxes with {b} pens in each box. How many pens are there?", "{a} * {b}"),
+    ("stamps", "{name} had {a} stamps and gave {b} of them away. How many stamps are left?", "{a} - {b}"),
+]
 NAMES = ["Ana", "Ben", "Chen", "Dina", "Eli", "Fatima", "Goran", "Hana", "Ivo", "Jia", "Kofi", "Lena"]
 RANGES = {"train": (2, 40), "test": (41, 99)}
 
 
-def make(split: str, count: int, seed: int = 0) -> list[dict]:
-    """`count` problems of `split` ("train" or "test"), the same for the same seed."""
+def make(split: str, count: int, seed: int = 0, steps: int = 2) -> list[dict]:
+    """`count` problems of `split` ("train" or "test"), the same for the same seed. steps=1: one-operation
+    problems (ONE_STEP_TEMPLATES) with the split's numbers."""
     if split not in RANGES:
         raise ValueError(f"split {split!r}: use 'train' or 'test'")
-    templates = TRAIN_TEMPLATES if split == "train" else TEST_TEMPLATES
+    if steps not in (1, 2):
+        raise ValueError(f"steps {steps}: use 1 or 2")
+    templates = ONE_STEP_TEMPLATES if steps == 1 else TRAIN_TEMPLATES if split == "train" else TEST_TEMPLATES
     low, high = RANGES[split]
     rng = random.Random(f"{split}-{seed}")
     rows: list[dict] = []
@@ -71,7 +81,8 @@ def make(split: str, count: int, seed: int = 0) -> list[dict]:
         answer = eval(filled, {"__builtins__": {}})  # our own template of integers and + - *
         if answer <= 0:
             continue
-        rows.append({"id": f"{split}-{seed}-{len(rows):04d}",
+        prefix = split if steps == 2 else f"{split}1"
+        rows.append({"id": f"{prefix}-{seed}-{len(rows):04d}",
                      "question": text.format(name=rng.choice(NAMES), **numbers),
                      "answer": answer, "expression": filled, "template": template_id, "split": split})
     return rows
@@ -82,8 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", choices=sorted(RANGES), required=True)
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, choices=(1, 2), default=2, help="operations per problem")
     args = parser.parse_args(argv)
-    for row in make(args.split, args.count, args.seed):
+    for row in make(args.split, args.count, args.seed, args.steps):
         sys.stdout.write(json.dumps(row) + "\n")
 
 
