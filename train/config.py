@@ -81,7 +81,7 @@ class TrainConfig:
     bf16: bool = False                # bf16 weights and DeepSpeed's bf16 mode (the GPU setting)
     autocast: bool = False            # fp32 weights and optimizer, forward passes in bf16 (torch.autocast): ~1.6x
                                       # faster training on a CPU with AVX512-BF16, no bf16 rounding of the updates
-    seed: int = 0
+    seed: int = 0                     # the LoRA adapters' starting draw, task and batch order
     # SFT warm start (before round 1): labelled tasks and/or successful trajectories from a store
     sft_tasks: str = ""               # JSONL tasks with a label field; their prompts come from the agent itself
     sft_label: str | list[str] = "{query}"  # the target completion, formatted from the task's fields; a list:
