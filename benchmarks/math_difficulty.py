@@ -27,6 +27,7 @@ EXAMPLE = REPO / "examples" / "openai_agents_math"
 sys.path.insert(0, str(EXAMPLE))
 import problems  # noqa: E402  (the example's generator, not a package)
 import reward  # noqa: E402
+from math_agent import write  # noqa: E402
 
 CALL = '<tool_call>\n{{"name": "calculate", "arguments": {{"expression": "{0}"}}}}\n</tool_call>'
 EXAMPLES = [("Sam has 12 bags of 4 apples and 7 more apples. How many apples does Sam have?", "12 * 4 + 7", 55),
@@ -60,8 +61,7 @@ def measure(out: Path, steps: int, instructions: str | None, count: int, seed: i
     cell = out / name
     cell.mkdir(parents=True, exist_ok=True)
     rows = problems.make("test", count, seed, steps=steps)
-    tasks = cell / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = write(rows, cell / "tasks.jsonl")
     db = cell / "traces.duckdb"
     db.unlink(missing_ok=True)
     run_rollouts(RolloutConfig(tasks=tasks, agent=agent_spec(out, instructions), n=1, concurrency=16, db=db,

@@ -72,6 +72,7 @@ def make(split: str, count: int, seed: int = 0, steps: int = 2) -> list[dict]:
         raise ValueError(f"steps {steps}: use 1 or 2")
     templates = ONE_STEP_TEMPLATES if steps == 1 else TRAIN_TEMPLATES if split == "train" else TEST_TEMPLATES
     low, high = RANGES[split]
+    prefix = split if steps == 2 else f"{split}1"  # one-step problems never share an id with two-step ones
     rng = random.Random(f"{split}-{seed}")
     rows: list[dict] = []
     while len(rows) < count:
@@ -81,7 +82,6 @@ def make(split: str, count: int, seed: int = 0, steps: int = 2) -> list[dict]:
         answer = eval(filled, {"__builtins__": {}})  # our own template of integers and + - *
         if answer <= 0:
             continue
-        prefix = split if steps == 2 else f"{split}1"
         rows.append({"id": f"{prefix}-{seed}-{len(rows):04d}",
                      "question": text.format(name=rng.choice(NAMES), **numbers),
                      "answer": answer, "expression": filled, "template": template_id, "split": split})
