@@ -23,6 +23,9 @@ With --link every SFT answer that writes a gold query (and the repair pass's rew
 lines of the tables that query names (linked_schema), and the agent gets 192 tokens per answer.
 All weights are trained (--lora: a LoRA adapter). benchmarks/peers/plain_sft.py is the reference without the
 agent: plain single-turn SFT on the same split.
+With --from-sft the --model folder is already fine-tuned (plain_sft.py --save, with --review so the reviewer call
+is trained too): there is no SFT phase, that model's evaluation is the "sft" policy, and GRPO starts from it.
+Give the same --sft-tasks and --synthetic as its SFT run, so that --grpo-synthetic draws questions it never saw.
 Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out databases are the dev
 databases listed in HELD_OUT; nothing of them is trained on. A killed run resumes when the same command runs
 again: the SFT walk and training from their last saves, GRPO from its last round, and a finished evaluation is
@@ -245,13 +248,19 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="GRPO transitions per optimizer step")
     parser.add_argument("--no-group-steps", action="store_true", help="GRPO steps mix groups at random instead of "
                         "filling each step with one group's samples (so each step averages over many groups)")
+    parser.add_argument("--from-sft", action="store_true", help="--model is already fine-tuned (plain_sft.py "
+                        "--save): skip the SFT phase; GRPO starts from it and its evaluation is labelled sft")
     parser.add_argument("--no-base", action="store_true", help="skip the base model's evaluation (the longest, "
                         "and the same for every run on the same model; its paired line is then left out)")
     args = parser.parse_args()
     if args.repair and args.agent != "sql_agent":
         parser.error("--repair walks the LangGraph agent's review and rewrite steps: use it with --agent sql_agent")
+    if args.from_sft and (args.model is None or args.repair or args.renamed):
+        parser.error("--from-sft starts from the fine-tuned --model folder it needs; --repair and --renamed shape "
+                     "an SFT phase it does not have")
     if args.link and args.agent != "sql_agent" and not args.agent_fn:
         parser.error("--link needs an agent that takes --max-tokens (its linked answers are longer): --agent sql_agent")
+    args.no_base = args.no_base or args.from_sft  # the model given is not the base model
     args.max_tokens = args.max_tokens or (LINKED_MAX_TOKENS if args.link else 96)
     args.lr = args.lr or (5e-5 if args.lora else 1e-5)
     args.sft_lr = args.sft_lr or (2e-4 if args.lora else 5e-5)
@@ -271,7 +280,7 @@ def main() -> None:
         write(rows, tasks["grpo"])
     if args.renamed or args.grpo_renamed:
         data = args.out / "data"
-    if args.link:
+    if args.link and not args.from_sft:
         write(with_links(read_rows(tasks["sft"]), data), tasks["sft"])
     # In-process mode: the gateway caps each answer at max_tokens (the function asks for more).
     agent = str(REPO / "examples" / args.agent / "agent.py") + ":run" if args.agent_fn else \
@@ -329,7 +338,7 @@ def main() -> None:
                                      for xs in (labels, repair_labels))
         settings = dict(tasks=str(tasks["grpo"]), agent=agent, reward=args.reward, output_dir=str(args.out / "run"),
                         n=args.n, tasks_per_round=args.tasks_per_round, max_tokens=args.max_tokens,
-                        sft_tasks=str(tasks["sft"]), sft_label=labels,
+                        sft_tasks="" if args.from_sft else str(tasks["sft"]), sft_label=labels,
                         sft_epochs=args.sft_epochs,
                         lr=args.lr, sft_lr=args.sft_lr, batch_size=args.batch_size, micro_batch=args.micro_batch,
                         agents=args.agents,
@@ -338,10 +347,13 @@ def main() -> None:
                         data_dir=str(data) if args.renamed or args.grpo_renamed else "",  # "": the bundled data
                         full_finetune=not args.lora, serve_merged=args.lora, autocast=args.autocast,
                         model="bundled" if args.model is None else str(base))
-        began = time.perf_counter()
-        train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
-        timings["sft"] = time.perf_counter() - began
-        warm = weights(args.out / "run" / "checkpoints" / "sft", base)
+        if args.from_sft:  # the model given is the SFT policy
+            warm = str(base)
+        else:
+            began = time.perf_counter()
+            train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
+            timings["sft"] = time.perf_counter() - began
+            warm = weights(args.out / "run" / "checkpoints" / "sft", base)
         run_eval("sft", warm)
         run, label, start = args.out / "run", "sft", base  # the run GRPO continues, its label, its base model
         if args.repair:

@@ -32,8 +32,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
-from agent import WRITE, extract_sql, read_schema  # noqa: E402  (the example agent's own prompt and parser)
-from learning import LINKED_LABEL, LINKED_MAX_TOKENS, SQL_LABEL, read_rows, split, with_links  # noqa: E402
+# the example agent's own prompts and parser
+from agent import CHECK, WRITE, extract_sql, read_schema, review_request, run_sql  # noqa: E402
+from learning import (DEMONSTRATIONS, LINKED_LABEL, LINKED_MAX_TOKENS, SQL_LABEL, read_rows,  # noqa: E402
+                      split, with_links)
 from spider_rename import with_renamed  # noqa: E402
 from spider_synth import ID_PREFIX  # noqa: E402
 
@@ -43,22 +45,32 @@ from lightning_otel.model import resolve_model  # noqa: E402
 from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
 
 
+REVIEW_LABEL = DEMONSTRATIONS["sql_agent"][1]  # the reviewer's answer on a gold query
+
+
 class Prompts:
-    """The sql_agent's first call for a question, as prompt token ids (schemas read once per database)."""
+    """The sql_agent's calls for a question as chat text or prompt token ids (schemas read once per database):
+    its first call (write the query) and, with `review=True`, its reviewer's call on the row's gold query."""
 
     def __init__(self, tokenizer, data: Path) -> None:
         self.tokenizer, self.data, self.schemas = tokenizer, data, {}
 
-    def text(self, row: dict) -> str:
+    def text(self, row: dict, review: bool = False) -> str:
         db_id = row["db_id"]
         if db_id not in self.schemas:
             self.schemas[db_id] = read_schema(str(database_path(self.data, db_id)))
-        messages = [{"role": "system", "content": WRITE.format(schema=self.schemas[db_id])},
-                    {"role": "user", "content": row["question"]}]
+        if review:  # the query as the agent passes it on (extract_sql's one line) and what SQLite returns for it
+            sql = extract_sql(row["query"])
+            system, user = CHECK, review_request(row["question"], sql, run_sql(str(database_path(self.data, db_id)),
+                                                                               sql))
+        else:
+            system, user = WRITE, row["question"]
+        messages = [{"role": "system", "content": system.format(schema=self.schemas[db_id])},
+                    {"role": "user", "content": user}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def ids(self, row: dict) -> list[int]:
-        return self.tokenizer.encode(self.text(row), add_special_tokens=False)
+    def ids(self, row: dict, review: bool = False) -> list[int]:
+        return self.tokenizer.encode(self.text(row, review), add_special_tokens=False)
 
 
 def micro_batch_loss(model, pairs: list[tuple[list[int], list[int]]], pad_id: int, autocast: bool) -> torch.Tensor:
@@ -115,6 +127,16 @@ def fine_tune(model, examples: list[tuple[list[int], list[int]]], args, pad_id: 
     return losses
 
 
+def save(model, tokenizer, folder: Path) -> None:
+    """The model as a plain Hugging Face folder (a LoRA adapter merged in), with the tokenizer and its chat
+    template, which vLLM serves and the learner loads like any other model folder."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 @torch.no_grad()
 def answer(model, tokenizer, prompts: Prompts, rows: list[dict], label: str, max_new_tokens: int = 96) -> dict:
     """Greedy first answers of `rows`, scored against their gold queries."""
@@ -159,8 +181,17 @@ def main() -> None:
                         "bundled SmolLM2-135M)")
     parser.add_argument("--link", action="store_true", help="targets copy the schema lines of the tables the gold "
                         f"query names before the query (learning.with_links); answers get {LINKED_MAX_TOKENS} tokens")
+    parser.add_argument("--review", type=int, default=0, help="also train the agent's reviewer call on this many "
+                        "SFT questions (spread evenly): their gold query and its result, answered THE QUERY IS "
+                        "CORRECT, as benchmarks/learning.py's SFT demonstrates it")
+    parser.add_argument("--save", type=Path, help="save the fine-tuned model (LoRA merged in) with its tokenizer "
+                        "here: a model folder benchmarks/learning.py --model DIR --from-sft starts the agent from")
+    parser.add_argument("--no-answers", action="store_true", help="skip scoring the greedy answers (e.g. when the "
+                        "saved model is evaluated through the agent instead)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.save and args.save.resolve() == args.out.resolve():
+        parser.error("--save needs a folder of its own, not --out")
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     files = split(args.out, args.eval_tasks, 0, args.sft_tasks, args.synthetic)
@@ -186,16 +217,25 @@ def main() -> None:
     label = LINKED_LABEL if args.link else SQL_LABEL
     examples = [(prompts.ids(r), tokenizer.encode(label.format(**r), add_special_tokens=False)
                  + [tokenizer.eos_token_id]) for r in sft_rows]
+    if args.review:
+        verdict = tokenizer.encode(REVIEW_LABEL, add_special_tokens=False) + [tokenizer.eos_token_id]
+        reviewed = sft_rows[::max(1, len(sft_rows) // args.review)][:args.review]
+        examples += [(prompts.ids(r, review=True), verdict) for r in reviewed]
     print(f"{len(examples)} examples, {sum(len(p) for p, _ in examples) / len(examples):.0f} prompt tokens on "
           f"average; {len(held_out)} held-out questions", flush=True)
     began = time.perf_counter()
     losses = fine_tune(model, examples, args, tokenizer.pad_token_id or tokenizer.eos_token_id)
     seconds = {"sft": time.perf_counter() - began}
-    began = time.perf_counter()
-    budget = LINKED_MAX_TOKENS if args.link else 96
-    scores = {"training_sample": answer(model, tokenizer, prompts, train_sample, "training questions", budget),
-              "held_out": answer(model, tokenizer, prompts, held_out, "held-out questions", budget)}
-    seconds["answers"] = time.perf_counter() - began
+    if args.save:
+        save(model, tokenizer, args.save)
+        print(f"saved the fine-tuned model in {args.save}", flush=True)
+    scores = {}
+    if not args.no_answers:
+        began = time.perf_counter()
+        budget = LINKED_MAX_TOKENS if args.link else 96
+        scores = {"training_sample": answer(model, tokenizer, prompts, train_sample, "training questions", budget),
+                  "held_out": answer(model, tokenizer, prompts, held_out, "held-out questions", budget)}
+        seconds["answers"] = time.perf_counter() - began
     (args.out / "plain_sft.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "losses": losses, "seconds": seconds, **scores},
         indent=1))

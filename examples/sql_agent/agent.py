@@ -79,6 +79,11 @@ def run_sql(db: str, sql: str, timeout_s: float = 10.0) -> str:
         conn.close()
 
 
+def review_request(question: str, sql: str, result: str) -> str:
+    """The reviewer's user message: the question, the query and the start of what it returned."""
+    return f"Question: {question}\nQuery: {sql}\nResult: {result[:500]}"
+
+
 def build_graph(llm: ChatOpenAI):
     def ask(system: str, user: str, state: State) -> str:
         reply = llm.invoke([SystemMessage(system.format(schema=state["schema"])), HumanMessage(user)])
@@ -91,8 +96,7 @@ def build_graph(llm: ChatOpenAI):
         return {"result": run_sql(state["db"], state["sql"])}
 
     def check_query(state: State) -> State:
-        user = f"Question: {state['question']}\nQuery: {state['sql']}\nResult: {state['result'][:500]}"
-        return {"feedback": ask(CHECK, user, state)}
+        return {"feedback": ask(CHECK, review_request(state["question"], state["sql"], state["result"]), state)}
 
     def rewrite_query(state: State) -> State:
         user = (f"Question: {state['question']}\nQuery: {state['sql']}\nResult: {state['result'][:500]}\n"
