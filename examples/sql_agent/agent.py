@@ -99,8 +99,7 @@ def build_graph(llm: ChatOpenAI):
         return {"feedback": ask(CHECK, review_request(state["question"], state["sql"], state["result"]), state)}
 
     def rewrite_query(state: State) -> State:
-        user = (f"Question: {state['question']}\nQuery: {state['sql']}\nResult: {state['result'][:500]}\n"
-                f"Review: {state['feedback']}")
+        user = review_request(state["question"], state["sql"], state["result"]) + f"\nReview: {state['feedback']}"
         return {"sql": extract_sql(ask(REWRITE, user, state)) or state["sql"], "turns": state["turns"] + 1}
 
     def after_execute(state: State) -> str:
