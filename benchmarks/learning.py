@@ -241,8 +241,8 @@ def main() -> None:
     parser.add_argument("--pool", type=float, nargs=2, metavar=("LOW", "HIGH"), help="GRPO pool filter: before "
                         "round 1, keep the GRPO questions whose pass rate under the warm-started policy (-n samples "
                         "at --temperature) lies in [LOW, HIGH], e.g. 0.125 0.875")
-    parser.add_argument("--agents", default="", help="train only the LLM calls of matching agents (a regex over "
-                        "agent names; LangGraph: node names, e.g. write_query)")
+    parser.add_argument("--agents", default="", help="train only the LLM calls of matching agents (a regex matched "
+                        "against whole agent names; LangGraph: node names, e.g. write_query)")
     parser.add_argument("--reward", default="spider_exec", help="GRPO reward (registered name; spider_shaped: "
                         "partial credit for SQL that executes, or names only what the schema has)")
     parser.add_argument("--batch-size", type=int, default=16, help="GRPO transitions per optimizer step")

@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Agent Lightning's legacy); batch-baseline: groups, lone rollouts against each other; "
                         "reinforce_pp: one baseline over the whole batch, no groups (REINFORCE++, its sequence "
                         "part: the trainer adds the token-level KL); none")
-    p.add_argument("--agents", metavar="REGEX", help="train only LLM calls of agents matching this pattern")
+    p.add_argument("--agents", metavar="REGEX", help="train only LLM calls of agents whose whole name matches this pattern")
     p.add_argument("--intermediate", action="append", metavar="NAME",
                    help="a reward name whose rows on inner spans add to the returns of their scope (repeatable)")
     p.add_argument("--turn-weight", type=float, default=0.0,

@@ -38,6 +38,9 @@ def database_path(data_dir: Path | str, db_id: str) -> Path:
 
 ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
 FENCE = re.compile(r"^```(?:sql)?\s*|\s*```$", re.IGNORECASE)
+# The first fenced block anywhere in an answer (an unclosed one runs to the end): models often write a line of
+# prose, or the schema lines they read, before the query.
+FENCED_BLOCK = re.compile(r"```(?:sqlite|sql)?[ \t]*\n?(.*?)(?:```|\Z)", re.IGNORECASE | re.DOTALL)
 
 
 class QueryTimeout(Exception):
@@ -102,9 +105,11 @@ def _assignments(candidates: list[list[int]]):
 
 
 def extract_sql(output: str | None) -> str | None:
+    """The SQL in an answer: the first fenced block's content when the answer has one, else the whole answer."""
     if output is None:
         return None
-    text = FENCE.sub("", output.strip()).strip()
+    block = FENCED_BLOCK.search(output)
+    text = block.group(1).strip() if block and block.group(1).strip() else FENCE.sub("", output.strip()).strip()
     return text or None
 
 

@@ -19,7 +19,7 @@ from sdk import tracer_provider
 # rollout -> (task, status, reward, [(agent, has token record)] )
 ROLLOUTS = {
     "r1": ("t1", "ok", 1.0, [("A", True), ("A", True)]),
-    "r2": ("t1", "ok", 0.0, [("B", True)]),
+    "r2": ("t1", "ok", 0.0, [("BA", True)]),
     "r3": ("t2", "ok", 1.0, [("A", True)]),
     "r4": ("t2", "ok", 1.0, [("A", True)]),
     "r5": ("t3", "failed", 1.0, [("A", True)]),
@@ -107,10 +107,14 @@ def test_gamma_and_per_transition_advantage(store):
     assert sorted(out["advantage"].to_list()) == pytest.approx([-0.5 / (0.5 + EPS), 0.0, 0.5 / (0.5 + EPS)])
 
 
-def test_agent_selection(store):
-    out, account = compile_transitions(CompileConfig(db=store, agents="^A$"))
-    assert out.height == 0  # r2's only call is agent B, so t1 keeps one rollout: no variance left
+@pytest.mark.parametrize("pattern", ["A", "^A$", "A|C"])
+def test_agent_selection(store, pattern):
+    # The pattern matches whole agent names: "A" is not "BA" (as write_query is not rewrite_query).
+    out, account = compile_transitions(CompileConfig(db=store, agents=pattern))
+    assert out.height == 0  # r2's only call is agent BA, so t1 keeps one rollout: no variance left
     assert account.excluded["no LLM call of the selected agents"] == 2  # r2 and r8
+    out, _ = compile_transitions(CompileConfig(db=store, agents=".*A"))  # both agents
+    assert sorted(out["rollout_id"].unique().to_list()) == ["r1", "r2"]
 
 
 def test_cli_and_bad_options(store, tmp_path, capsys):

@@ -42,6 +42,11 @@ def score(gold: str, predicted: str | None, **task) -> float | None:
     ("SELECT count(*) FROM singer", None, 0.0),
     # A one-line fenced answer is unwrapped.
     ("SELECT count(*) FROM singer", "```sql SELECT count(*) FROM singer```", 1.0),
+    # The first fenced block is read wherever it starts: after prose or the schema lines a linked answer copies.
+    ("SELECT count(*) FROM singer", "singer(Singer_ID, Name)\n```sql\nSELECT count(*) FROM singer\n```", 1.0),
+    ("SELECT count(*) FROM singer", "Here it is:\n```SQLite\nSELECT count(*) FROM singer;\n```\n```sql\nSELECT 1\n```", 1.0),
+    ("SELECT count(*) FROM singer", "singer(Singer_ID)\n```sql\nSELECT count(*) FROM singer", 1.0),  # cut off at max_tokens
+    ("SELECT count(*) FROM singer", "Counting:\n```sql\nSELECT count(*) FROM singer WHERE Age > 40\n```", 0.0),
 ])
 def test_spider_exec_pairs(gold, predicted, expected):
     assert score(gold, predicted) == expected

@@ -68,7 +68,7 @@ class CompileConfig:
     emitted_rewards: bool = True
     gamma: float = 1.0
     advantage: str = "per-rollout"
-    agents: str | None = None
+    agents: str | None = None          # regex over whole agent names (write_query is not rewrite_query)
     intermediate: list[str] = field(default_factory=list)
     turn_weight: float = 0.0
     merge_turns: bool = False
@@ -169,7 +169,7 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
     calls = calls.with_columns(pl.len().over("rollout_id").alias("_calls"),  # before any agent selection
                                pl.col("generation_version").min().over("rollout_id").alias("_record_version"))
     if config.agents is not None:
-        calls = calls.filter(pl.col("agent").fill_null("").str.contains(config.agents))
+        calls = calls.filter(pl.col("agent").fill_null("").str.contains(f"^(?:{config.agents})$"))  # whole name
     has_calls = with_reward.join(calls.select("rollout_id").unique(), on="rollout_id", how="semi")
     exclude(with_reward.join(has_calls, on="rollout_id", how="anti"),
             "no LLM call" if config.agents is None else "no LLM call of the selected agents")

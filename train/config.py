@@ -54,7 +54,7 @@ class TrainConfig:
     pool_pass_reward: float = 1.0
     # credit (DESIGN §4)
     gamma: float = 1.0
-    agents: str = ""                  # regex: train only the LLM calls of matching agents ("" = all)
+    agents: str = ""                  # regex over whole agent names: train only their LLM calls ("" = all)
     advantage: str = "per-rollout"    # train/credit.py; reinforce_pp: REINFORCE++, per token (train/losses.py)
     merge_turns: bool = False
     # optimisation
