@@ -182,8 +182,8 @@ def test_shared_prefix_step_gives_the_same_loss_and_gradients(lora_model, kl):
 
 
 def test_autocast_computes_in_bf16_close_to_fp32_and_trains_the_fp32_weights(lora_model):
-    rows = group_rows(3)
-    batch = collate(rows, 0)
+    # Two sequences: on a CPU without bf16 instructions autocast runs in slow kernels (minutes for all seven).
+    batch = collate(group_rows(3)[:2], 0)
     mask = batch.mask.bool()
     with torch.no_grad():
         exact = completion_logprobs(lora_model, batch)
