@@ -21,13 +21,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks" / "peers")]
-from plain_sft import Prompts  # noqa: E402  (puts examples/sql_agent and benchmarks on the path)
-from agent import WRITE, read_schema  # noqa: E402
+from plain_sft import Prompts  # noqa: E402  (puts benchmarks on the path)
 from learning import HELD_OUT  # noqa: E402
 
 from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
 from lightning_otel.model import resolve_model  # noqa: E402
-from lightning_otel.rewards import bundled_data_dir, database_path  # noqa: E402
+from lightning_otel.rewards import bundled_data_dir  # noqa: E402
 
 
 def held_out_rows(data: Path, count: int) -> list[dict]:
@@ -68,11 +67,8 @@ def main() -> None:
     try:
         for row in rows:
             trained = prompts.ids(row)
-            schema = read_schema(str(database_path(data, row["db_id"])))
-            reply = engine.generate("/v1/chat/completions", {
-                "messages": [{"role": "system", "content": WRITE.format(schema=schema)},
-                             {"role": "user", "content": row["question"]}],
-                "max_tokens": args.max_tokens, "temperature": 0})
+            reply = engine.generate("/v1/chat/completions", {"messages": prompts.messages(row),
+                                                             "max_tokens": args.max_tokens, "temperature": 0})
             choice = reply["choices"][0]
             served = reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or []
             with torch.no_grad():

@@ -109,7 +109,7 @@ def extract_sql(output: str | None) -> str | None:
     if output is None:
         return None
     block = FENCED_BLOCK.search(output)
-    text = block.group(1).strip() if block and block.group(1).strip() else FENCE.sub("", output.strip()).strip()
+    text = (block.group(1).strip() if block else "") or FENCE.sub("", output.strip()).strip()
     return text or None
 
 

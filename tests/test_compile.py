@@ -113,7 +113,10 @@ def test_agent_selection(store, pattern):
     out, account = compile_transitions(CompileConfig(db=store, agents=pattern))
     assert out.height == 0  # r2's only call is agent BA, so t1 keeps one rollout: no variance left
     assert account.excluded["no LLM call of the selected agents"] == 2  # r2 and r8
-    out, _ = compile_transitions(CompileConfig(db=store, agents=".*A"))  # both agents
+
+
+def test_agent_selection_pattern_can_match_several_agents(store):
+    out, _ = compile_transitions(CompileConfig(db=store, agents=".*A"))  # A and BA
     assert sorted(out["rollout_id"].unique().to_list()) == ["r1", "r2"]
 
 

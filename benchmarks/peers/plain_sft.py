@@ -55,7 +55,7 @@ class Prompts:
     def __init__(self, tokenizer, data: Path) -> None:
         self.tokenizer, self.data, self.schemas = tokenizer, data, {}
 
-    def text(self, row: dict, review: bool = False) -> str:
+    def messages(self, row: dict, review: bool = False) -> list[dict]:
         db_id = row["db_id"]
         if db_id not in self.schemas:
             self.schemas[db_id] = read_schema(str(database_path(self.data, db_id)))
@@ -65,9 +65,12 @@ class Prompts:
                                                                                sql))
         else:
             system, user = WRITE, row["question"]
-        messages = [{"role": "system", "content": system.format(schema=self.schemas[db_id])},
-                    {"role": "user", "content": user}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return [{"role": "system", "content": system.format(schema=self.schemas[db_id])},
+                {"role": "user", "content": user}]
+
+    def text(self, row: dict, review: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(self.messages(row, review), tokenize=False,
+                                                  add_generation_prompt=True)
 
     def ids(self, row: dict, review: bool = False) -> list[int]:
         return self.tokenizer.encode(self.text(row, review), add_special_tokens=False)
