@@ -49,7 +49,7 @@ def base_eval(engine, tmp_path_factory):
     folder = tmp_path_factory.mktemp("eval-base")
     tasks = write_tasks(folder / "tasks.jsonl", spider_tasks(["easy", "easy", "medium", "hard", "extra"]))
     config = EvalConfig(tasks=tasks, agent=AGENT, report=folder / "report", model="base", n=1,
-                        max_tokens=MAX_TOKENS, timeout_s=240)
+                        max_tokens=MAX_TOKENS, timeout_s=240, concurrency=5)
     before = (engine.model_name, engine.policy_version)
     result = evaluate(config, engine=engine)
     assert (engine.model_name, engine.policy_version) == before

@@ -46,7 +46,7 @@ def spider_tasks(path: Path, count: int, db_id: str = "poker_player") -> Path:
 def small_config(tmp_path: Path, **overrides) -> TrainConfig:
     values = dict(tasks=str(spider_tasks(tmp_path / "tasks.jsonl", 4)), agent=AGENT, reward=REWARD, n=4,
                   tasks_per_round=4, rounds=1, batch_size=8, micro_batch=4, max_tokens=32, lr=1e-4,
-                  lora_rank=8, output_dir=str(tmp_path / "run"), concurrency=2, agent_timeout_s=300)
+                  lora_rank=8, output_dir=str(tmp_path / "run"), concurrency=8, agent_timeout_s=300)
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -303,7 +303,7 @@ def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
     run = tmp_path / "run"
     command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={AGENT}", f"reward={REWARD}", "n=2",
                "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4", "max_tokens=16", "lora_rank=8",
-               f"output_dir={run}", f"engine_url={engine.url}", "seed=3"]
+               f"output_dir={run}", f"engine_url={engine.url}", "seed=3", "concurrency=4"]
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)
