@@ -1,0 +1,89 @@
+"""How much does the engine gain from calls that arrive together? The same requests sent at several
+concurrency levels, side by side on one vLLM engine: what `--concurrency` (rollouts, eval) and the trainer's
+`concurrency` buy when the agent is a function (its rollouts are threads of one worker, so only the engine's
+batching limits them).
+
+    .venv/bin/python benchmarks/engine_batching.py [--levels 4 16] [--repeats 2] [--model bundled]
+
+The requests: the one-call SQL agent's chat (benchmarks/one_call_sql.py: schema + question) for 4 bundled dev
+questions x 4 samples, max_tokens 32, temperature 0.7, as benchmarks/learning_check.py's rounds send them.
+Each level runs `--repeats` times, the levels alternating, so a slow stretch of a shared machine hits every level.
+Prints seconds, generated tokens and tokens per second per run, and each level's tokens per second against the
+first level's (summed over its runs). Writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from one_call_sql import SYSTEM  # noqa: E402
+
+from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
+from lightning_otel.model import resolve_model  # noqa: E402
+from lightning_otel.rewards import bundled_data_dir, database_path  # noqa: E402
+
+DATABASES = ("singer", "poker_player", "network_1")
+
+
+def requests(questions: int, samples: int, max_tokens: int) -> list[dict]:
+    data = bundled_data_dir()
+    rows = [json.loads(line) for line in (data / "dev.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["db_id"] in DATABASES][:questions]
+    bodies = []
+    for row in rows:
+        with sqlite3.connect(f"file:{database_path(data, row['db_id'])}?mode=ro", uri=True) as conn:
+            schema = "\n".join(sql for (sql,) in conn.execute(
+                "SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL"))
+        messages = [{"role": "system", "content": SYSTEM.format(schema=schema)},
+                    {"role": "user", "content": row["question"]}]
+        bodies += [{"messages": messages, "max_tokens": max_tokens, "temperature": 0.7}] * samples
+    return bodies
+
+
+def timed(engine, bodies: list[dict], concurrency: int) -> tuple[float, int]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(lambda body: engine.generate("/v1/chat/completions", body), bodies))
+    return time.perf_counter() - started, sum(len(a["choices"][0]["token_ids"]) for a in answers)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--levels", type=int, nargs="+", default=[4, 16])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--model", default="bundled")
+    args = p.parse_args(argv)
+    python = default_engine_python()
+    engine = VLLMEngine(EngineConfig(model_dir=resolve_model(args.model, python), python=python, max_lora_rank=16))
+    engine.start()
+    totals = {level: [0.0, 0] for level in args.levels}
+    try:
+        bodies = requests(args.questions, args.samples, args.max_tokens)
+        timed(engine, bodies[:2], 2)  # warm-up, not counted
+        for repeat in range(args.repeats):
+            for level in args.levels:
+                seconds, tokens = timed(engine, bodies, level)
+                totals[level][0] += seconds
+                totals[level][1] += tokens
+                print(f"run {repeat + 1} concurrency {level}: {len(bodies)} requests in {seconds:.1f} s, "
+                      f"{tokens} tokens, {tokens / seconds:.1f} tokens/s", flush=True)
+    finally:
+        engine.stop()
+    first = totals[args.levels[0]][1] / totals[args.levels[0]][0]
+    summary = {level: {"tokens_per_s": tokens / seconds, "against_first": tokens / seconds / first}
+               for level, (seconds, tokens) in totals.items()}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
