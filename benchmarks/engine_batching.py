@@ -5,8 +5,8 @@ batching limits them).
 
     .venv/bin/python benchmarks/engine_batching.py [--levels 4 16] [--repeats 2] [--model bundled]
 
-The requests: the one-call SQL agent's chat (benchmarks/one_call_sql.py: schema + question) for 4 bundled dev
-questions x 4 samples, max_tokens 32, temperature 0.7, as benchmarks/learning_check.py's rounds send them.
+The requests: the one-call SQL agent's chat (benchmarks/one_call_sql.py: schema + question) for learning_check.py's
+pool of 4 bundled dev questions x 4 samples, max_tokens 32, temperature 0.7, as that check's rounds send them.
 Each level runs `--repeats` times, the levels alternating, so a slow stretch of a shared machine hits every level.
 Prints seconds, generated tokens and tokens per second per run, and each level's tokens per second against the
 first level's (summed over its runs). Writes nothing.
@@ -15,35 +15,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from one_call_sql import SYSTEM  # noqa: E402
+from learning_check import DATABASES, pick  # noqa: E402
+from one_call_sql import messages  # noqa: E402
 
 from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
 from lightning_otel.model import resolve_model  # noqa: E402
 from lightning_otel.rewards import bundled_data_dir, database_path  # noqa: E402
 
-DATABASES = ("singer", "poker_player", "network_1")
-
 
 def requests(questions: int, samples: int, max_tokens: int) -> list[dict]:
-    data = bundled_data_dir()
-    rows = [json.loads(line) for line in (data / "dev.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["db_id"] in DATABASES][:questions]
-    bodies = []
-    for row in rows:
-        with sqlite3.connect(f"file:{database_path(data, row['db_id'])}?mode=ro", uri=True) as conn:
-            schema = "\n".join(sql for (sql,) in conn.execute(
-                "SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL"))
-        messages = [{"role": "system", "content": SYSTEM.format(schema=schema)},
-                    {"role": "user", "content": row["question"]}]
-        bodies += [{"messages": messages, "max_tokens": max_tokens, "temperature": 0.7}] * samples
-    return bodies
+    """learning_check's pool questions, each as the one-call agent asks it, `samples` times."""
+    return [{"messages": messages(database_path(bundled_data_dir(), row["db_id"]), row["question"]),
+             "max_tokens": max_tokens, "temperature": 0.7}
+            for row in pick(DATABASES, questions) for _ in range(samples)]
 
 
 def timed(engine, bodies: list[dict], concurrency: int) -> tuple[float, int]:

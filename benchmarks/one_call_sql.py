@@ -16,12 +16,17 @@ SYSTEM = ("You write SQLite queries. Answer with one SQL query in a ```sql``` bl
 FENCED = re.compile(r"```(?:sql|sqlite)?\s*(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
 
 
-def answer(task: dict, llm) -> str:
-    with sqlite3.connect(f"file:{task['db_path']}?mode=ro", uri=True) as conn:
+def messages(db_path, question: str) -> list[dict]:
+    """The agent's one call: the system prompt with the database's schema, then the question."""
+    with sqlite3.connect(f"file:{db_path}?mode=ro", uri=True) as conn:
         schema = "\n".join(sql for (sql,) in conn.execute(
             "SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL"))
-    reply = llm.openai().chat.completions.create(model=llm.model, max_tokens=64, messages=[
-        {"role": "system", "content": SYSTEM.format(schema=schema)}, {"role": "user", "content": task["question"]}])
+    return [{"role": "system", "content": SYSTEM.format(schema=schema)}, {"role": "user", "content": question}]
+
+
+def answer(task: dict, llm) -> str:
+    reply = llm.openai().chat.completions.create(model=llm.model, max_tokens=64,
+                                                 messages=messages(task["db_path"], task["question"]))
     text = reply.choices[0].message.content or ""
     fenced = FENCED.search(text)
     return " ".join((fenced.group(1) if fenced and fenced.group(1).strip() else text).split())
