@@ -1,5 +1,5 @@
-"""The engine's precision follows the machine: bf16 where it is native (a GPU, or a CPU with bf16
-instructions), fp32 elsewhere, where PyTorch computes bf16 in a slow fallback."""
+"""The engine follows the machine: bf16 where it is native (a GPU, or a CPU with bf16 instructions), fp32
+elsewhere, where PyTorch computes bf16 in a slow fallback; on a CPU with few cores it computes on all of them."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, native_bf16
+from lightning_otel.engine import SMALL_MACHINE_CORES, EngineConfig, VLLMEngine, engine_cpu_env, native_bf16
 from lightning_otel.errors import UserError
 
 # /proc/cpuinfo lines as Linux writes them (flags abridged to the vector extensions and their neighbours).
@@ -60,6 +60,26 @@ def test_the_running_engine_computes_in_the_chosen_precision(engine):
     assert engine.config.dtype == ("bfloat16" if native_bf16() else "float32")
     loaded = set(re.findall(r"dtype=torch\.(\w+)", engine.config.log_path.read_text()))
     assert loaded == {engine.config.dtype}
+
+
+@pytest.mark.parametrize("environ, cores, gpu, expected", [
+    ({}, 2, False, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+    ({}, SMALL_MACHINE_CORES, False, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+    ({}, SMALL_MACHINE_CORES + 1, False, {}),  # vLLM's own default: one core for its scheduler
+    ({}, 2, True, {}),  # a GPU engine has no CPU threads to place
+    ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 2, False, {}),  # the user's setting wins
+    ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, 2, False, {}),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, 2, False, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+])
+def test_a_cpu_engine_keeps_no_core_back_on_a_small_machine(environ, cores, gpu, expected):
+    assert engine_cpu_env(environ, cores=cores, gpu=gpu) == expected
+
+
+def test_the_running_engine_computes_on_every_core_of_a_small_machine(engine):
+    """vLLM's log of the shared engine says how many cores it kept back for its scheduler."""
+    if not engine_cpu_env():
+        pytest.skip(f"a GPU, more than {SMALL_MACHINE_CORES} cores, or VLLM_CPU_* set: vLLM places its threads")
+    assert set(re.findall(r"reserve_cpu_num=(\d+)", engine.config.log_path.read_text())) == {"0"}
 
 
 @pytest.mark.parametrize("setting", ["autocast", "bf16"])

@@ -1,0 +1,84 @@
+"""Does the CPU engine gain from the core vLLM keeps back for its scheduler? The same requests on an engine
+started with vLLM's default (one core kept: VLLM_CPU_NUM_OF_RESERVED_CPU=1) and on one started as the engine
+starts on a machine with few cores (none kept: 0; lightning_otel.engine.engine_cpu_env), one engine at a time,
+the two alternating.
+
+    .venv/bin/python benchmarks/engine_cores.py [--repeats 2] [--concurrency 16] [--model bundled]
+
+The requests are engine_batching.py's: learning_check.py's pool of 4 bundled dev questions x 4 samples as the
+one-call SQL agent asks them, max_tokens 32, temperature 0.7. Each engine is started, warmed up with two
+requests, timed, and stopped. Prints seconds, generated tokens and tokens per second per run, the reserved core
+count vLLM's log reports for each engine, and none-kept's tokens per second against one-kept's. Writes nothing
+outside a temporary folder for the engine logs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_batching import requests, timed  # noqa: E402
+
+from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
+from lightning_otel.model import resolve_model  # noqa: E402
+
+SETTINGS = {"one kept (vLLM default)": "1", "none kept": "0"}
+
+
+def run_once(model_dir: Path, python: str, reserved: str, bodies: list[dict], concurrency: int,
+             log_path: Path) -> tuple[float, int, list[str]]:
+    """One engine with VLLM_CPU_NUM_OF_RESERVED_CPU=reserved: (seconds, tokens, reserved counts in its log)."""
+    before = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved  # the engine passes the environment on to vLLM
+    try:
+        engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=log_path))
+        engine.start()
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CPU_NUM_OF_RESERVED_CPU")
+        else:
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = before
+    try:
+        timed(engine, bodies[:2], 2)  # warm-up, not counted
+        seconds, tokens = timed(engine, bodies, concurrency)
+    finally:
+        engine.stop()
+    return seconds, tokens, sorted(set(re.findall(r"reserve_cpu_num=(\d+)", log_path.read_text())))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--model", default="bundled")
+    args = p.parse_args(argv)
+    python = default_engine_python()
+    model_dir = resolve_model(args.model, python)
+    bodies = requests(args.questions, args.samples, args.max_tokens)
+    totals = {name: [0.0, 0] for name in SETTINGS}
+    with tempfile.TemporaryDirectory() as folder:
+        for repeat in range(args.repeats):
+            for name, reserved in SETTINGS.items():
+                seconds, tokens, logged = run_once(model_dir, python, reserved, bodies, args.concurrency,
+                                                   Path(folder) / f"engine-{repeat}-{reserved}.log")
+                totals[name][0] += seconds
+                totals[name][1] += tokens
+                print(f"run {repeat + 1} {name} (vLLM log: reserve_cpu_num={','.join(logged)}): {len(bodies)} "
+                      f"requests in {seconds:.1f} s, {tokens} tokens, {tokens / seconds:.1f} tokens/s", flush=True)
+    rates = {name: tokens / seconds for name, (seconds, tokens) in totals.items()}
+    first = next(iter(rates.values()))
+    summary = {name: {"tokens_per_s": rate, "against_one_kept": rate / first} for name, rate in rates.items()}
+    print(json.dumps({"cpus": len(os.sched_getaffinity(0)), **summary}))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
