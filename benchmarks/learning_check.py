@@ -17,7 +17,9 @@ Printed and saved (<out>/learning_check.json, <out>/learning_check.png): per rou
 runs, the validation reward and accuracy, the first micro-batch's ratio mean, clip fraction and learner-engine
 logprob gap (before any update the learner is the policy that sampled: ratio ~1, gap ~0), and the policy
 versions the gateway recorded (each round must be served the checkpoint of the round before). Passes when the
-reward run rises by at least --min-rise (first round to the mean of the last two) and the control falls.
+reward run rises by at least --min-rise and the control falls, each from the start to the mean of its last two
+rounds; the start is the base policy's reward on the pool, the mean of both runs' first rounds (the same policy
+on the same tasks: twice the samples of one run's).
 
 REWARD is 0.5 for a final answer that executes as SQL on the task's database, plus 0.5 / (1 + words / 10)
 for brevity: continuous (almost every GRPO group has reward variance) and reachable by the bundled 135M
@@ -102,10 +104,22 @@ def curve(run: Path) -> list[dict]:
     return [{"round": k, **v} for k, v in sorted(rounds.items())]
 
 
-def rise(points: list[dict], key: str = "reward_mean") -> float | None:
-    """The last two rounds' mean minus the first round's: two rounds, since one round's mean is noisy."""
+def rise(points: list[dict], key: str = "reward_mean", start: float | None = None) -> float | None:
+    """The last two rounds' mean minus the start (default: the first round's): two rounds, since one round's
+    mean is noisy."""
     values = [p[key] for p in points if p.get(key) is not None]
-    return None if len(values) < 3 else sum(values[-2:]) / 2 - values[0]
+    if len(values) < 3:
+        return None
+    return sum(values[-2:]) / 2 - (values[0] if start is None else start)
+
+
+def start_level(curves: dict[str, list[dict]]) -> float | None:
+    """The starting policy's reward on the pool: the mean of every arm's first round. Each arm's round 1 samples
+    the same base policy on the same tasks, scored on REWARD, so together they measure it on twice the samples
+    (one round of 16 rewards moved by 0.05-0.1 by chance between runs here, RESULTS.md)."""
+    firsts = [points[0]["reward_mean"] for points in curves.values()
+              if points and points[0]["round"] == 1 and points[0].get("reward_mean") is not None]
+    return sum(firsts) / len(firsts) if firsts else None
 
 
 def served_each_round(points: list[dict], start_version: int = 0) -> bool:
@@ -189,7 +203,8 @@ def check(args, engine=None) -> dict:
         else:
             engine.use_base()  # a shared engine is left serving the base model, as it was found
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "seconds": seconds, "curves": curves,
-              "rise": {arm: rise(points) for arm, points in curves.items()},
+              "start": start_level(curves),
+              "rise": {arm: rise(points, start=start_level(curves)) for arm, points in curves.items()},
               "served_each_round": {arm: served_each_round(points) for arm, points in curves.items()}}
     up, down = result["rise"].get("reward"), result["rise"].get("inverted")
     checks = {"reward run rises": up is not None and up > 0 and up >= args.min_rise,

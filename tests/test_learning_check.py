@@ -28,6 +28,11 @@ def test_rise_and_served_versions_read_the_curve():
               {"round": 4, "reward_mean": 0.4, "served_policy_versions": [3]}]
     assert learning_check.rise(points) == pytest.approx(0.25)
     assert learning_check.rise(points[:2]) is None  # too short to tell
+    assert learning_check.rise(points, start=0.3) == pytest.approx(0.15)
+    control = [{**p, "reward_mean": m} for p, m in zip(points, (0.4, 0.3, 0.2, 0.1))]
+    # both first rounds sample the base policy: the start is their mean
+    assert learning_check.start_level({"reward": points, "inverted": control}) == pytest.approx(0.3)
+    assert learning_check.start_level({"reward": points[1:]}) is None  # no round 1: no start
     assert learning_check.served_each_round(points)
     stale = [*points[:3], {**points[3], "served_policy_versions": [2, 3]}]  # part of round 4 on the old policy
     assert not learning_check.served_each_round(stale)
@@ -45,8 +50,9 @@ def test_the_reward_is_continuous_and_the_control_its_mirror():
 @pytest.mark.heavy
 def test_grpo_raises_the_reward_it_is_given_and_the_inverted_control_lowers_it(engine, tmp_path):
     # The benchmark's defaults (its one-call SQL agent, lr 1e-3, 2 epochs a round, temperature 0.7), smaller: 5
-    # rounds of 16 rollouts. One round's mean of 16 rewards moves by ~0.05 by chance, so the test asks for the
-    # directions and for a gap between the two runs (the effect of both, twice either) of at least 0.1.
+    # rounds of 16 rollouts. One round's mean of 16 rewards moves by 0.05-0.1 by chance, so the directions are
+    # read from the start level (both runs' first rounds: the base policy, 32 rewards) to each run's last two
+    # rounds, and the gap between the two runs (the effect of both, twice either) must be at least 0.1.
     rounds = 5
     args = learning_check.parse(["--out", str(tmp_path), "--rounds", str(rounds), "--pool", "4", "--val", "0",
                                  "-n", "4", "--min-rise", "0"])
