@@ -202,9 +202,9 @@ def check(args, engine=None) -> dict:
             engine.stop()
         else:
             engine.use_base()  # a shared engine is left serving the base model, as it was found
+    start = start_level(curves)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "seconds": seconds, "curves": curves,
-              "start": start_level(curves),
-              "rise": {arm: rise(points, start=start_level(curves)) for arm, points in curves.items()},
+              "start": start, "rise": {arm: rise(points, start=start) for arm, points in curves.items()},
               "served_each_round": {arm: served_each_round(points) for arm, points in curves.items()}}
     up, down = result["rise"].get("reward"), result["rise"].get("inverted")
     checks = {"reward run rises": up is not None and up > 0 and up >= args.min_rise,

@@ -67,12 +67,17 @@ BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
+def nvidia_gpu() -> bool:
+    """Whether this machine has an NVIDIA GPU (its driver's control device)."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def native_bf16(cpuinfo: str | None = None, gpu: bool | None = None) -> bool:
     """Whether bf16 arithmetic is native on this machine: an NVIDIA GPU, or a CPU with bf16 instructions.
     Without them (an x86 CPU with AVX2 only, say) PyTorch runs bf16 matrix products in a slow fallback: on a
     2-core AVX2 machine a 600 x 576 x 1536 product took 44x as long in bf16 as in fp32, and the vLLM engine
     prefilled 5x and decoded 8 streams 2.2x slower in bf16 (benchmarks/engine_dtype.py, RESULTS.md)."""
-    if gpu if gpu is not None else Path("/dev/nvidiactl").exists():
+    if gpu if gpu is not None else nvidia_gpu():
         return True
     if cpuinfo is None:
         try:
@@ -102,7 +107,7 @@ def engine_cpu_env(environ: dict[str, str] | None = None, cores: int | None = No
     """The vLLM-CPU settings the engine starts with: no core kept back on a machine with at most
     SMALL_MACHINE_CORES cores. A VLLM_CPU_NUM_OF_RESERVED_CPU or VLLM_CPU_OMP_THREADS_BIND the user set wins."""
     environ = os.environ if environ is None else environ
-    if gpu if gpu is not None else Path("/dev/nvidiactl").exists():
+    if gpu if gpu is not None else nvidia_gpu():
         return {}
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" in environ or environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return {}
