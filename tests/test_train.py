@@ -134,6 +134,22 @@ def test_round_tasks_cover_every_task_once_per_epoch_and_depend_only_on_seed_and
     assert all(sorted(ids) == sorted(t.task_id for t in tasks) for ids in rounds) and rounds[0] != rounds[1]
 
 
+@pytest.mark.parametrize("size, count", [(5, 2), (22, 16), (7, 4)])
+def test_a_round_that_runs_into_the_next_epoch_holds_no_task_twice(tmp_path, size, count):
+    # 22 tasks (a pool filter's keep) in rounds of 16: round 2 is the first epoch's last 6 and 10 of the next
+    # shuffle, which may hold some of those 6 again; they are put off to the next round instead.
+    tasks = load_tasks(spider_tasks(tmp_path / "t.jsonl", size, "world_1"))
+    assert len(tasks) == size
+    used = {t.task_id: 0 for t in tasks}
+    for r in range(3 * size):
+        ids = [t.task_id for t in round_tasks(tasks, r, count, seed=5)]
+        assert len(ids) == count and len(set(ids)) == count, f"round {r}: {ids}"
+        for task_id in ids:
+            used[task_id] += 1
+        assert max(used.values()) - min(used.values()) <= 1  # every task once an epoch, give or take the put-off
+    assert set(used.values()) == {3 * count}  # 3 x size rounds of count: every task 3 x count times
+
+
 def test_a_run_folder_with_other_settings_is_not_resumed(tmp_path):
     config = small_config(tmp_path)
     Path(config.output_dir).mkdir()

@@ -17,6 +17,7 @@ Randomness is derived from (seed, round), so a resumed round draws the same task
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -67,17 +68,28 @@ class RunFolder:
 
 
 def round_tasks(tasks: list[Task], round_index: int, count: int, seed: int) -> list[Task]:
-    """The tasks of round `round_index` (0-based): consecutive slices of a per-epoch shuffle of the task
-    list, so every task is used once per epoch and the choice depends only on (seed, round). A round never
-    holds a task twice: with fewer tasks than `count` (a pool filter that kept few), each round is one epoch."""
+    """The tasks of round `round_index` (0-based): consecutive slices of a stream of per-epoch shuffles of the
+    task list, so every task is used once per epoch and the choice depends only on (seed, round). A round never
+    holds a task twice: where a round runs from one epoch into the next, a task it already holds is put off to
+    the next round. With fewer tasks than `count` (a pool filter that kept few), each round is one epoch."""
     count = min(count, len(tasks))
-    chosen = []
-    for position in range(round_index * count, (round_index + 1) * count):
-        epoch, offset = divmod(position, len(tasks))
+    epochs = itertools.count()
+
+    def shuffled() -> list[int]:
         order = list(range(len(tasks)))
-        random.Random(f"{seed}:{epoch}").shuffle(order)
-        chosen.append(tasks[order[offset]])
-    return chosen
+        random.Random(f"{seed}:{next(epochs)}").shuffle(order)
+        return order
+
+    pending: list[int] = []  # the stream's next indices, a put-off one first
+    for _ in range(round_index + 1):
+        chosen: list[int] = []
+        while len(chosen) < count:
+            position = next((i for i, index in enumerate(pending) if index not in chosen), None)
+            if position is None:
+                pending += shuffled()
+                continue
+            chosen.append(pending.pop(position))
+    return [tasks[i] for i in chosen]
 
 
 def write_tasks(tasks: list[Task], path: Path) -> Path:
