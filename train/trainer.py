@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import time
+from collections import deque
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -80,15 +81,16 @@ def round_tasks(tasks: list[Task], round_index: int, count: int, seed: int) -> l
         random.Random(f"{seed}:{next(epochs)}").shuffle(order)
         return order
 
-    pending: list[int] = []  # the stream's next indices, a put-off one first
+    pending: deque[int] = deque()  # the stream's next indices, a put-off one first
     for _ in range(round_index + 1):
-        chosen: list[int] = []
+        chosen: dict[int, None] = {}  # in the order drawn
         while len(chosen) < count:
             position = next((i for i, index in enumerate(pending) if index not in chosen), None)
             if position is None:
-                pending += shuffled()
+                pending.extend(shuffled())
                 continue
-            chosen.append(pending.pop(position))
+            chosen[pending[position]] = None
+            del pending[position]
     return [tasks[i] for i in chosen]
 
 
