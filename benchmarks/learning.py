@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.engine import ENGINE_DTYPES, EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.eval.report import paired_comparison, paired_line
 from lightning_otel.model import resolve_model
@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--agent", default="sql_agent", help="example folder name (sql_agent = LangGraph, multi-turn)")
     parser.add_argument("--eval-tasks", type=int, default=150)
     parser.add_argument("--grpo-tasks", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=8, help="GRPO rounds (0: evaluate the SFT policy and stop)")
     parser.add_argument("--tasks-per-round", type=int, default=8)
     parser.add_argument("-n", type=int, default=4)
     parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT: the training dev databases' first, "
@@ -250,9 +250,13 @@ def main() -> None:
                         "filling each step with one group's samples (so each step averages over many groups)")
     parser.add_argument("--from-sft", action="store_true", help="--model is already fine-tuned (plain_sft.py "
                         "--save): skip the SFT phase; GRPO starts from it and its evaluation is labelled sft")
+    parser.add_argument("--engine-dtype", default="auto", choices=ENGINE_DTYPES, help="the weights' dtype in the "
+                        "serving engine (auto: bfloat16 on a CPU with AVX512-BF16 or a GPU, float32 elsewhere)")
     parser.add_argument("--no-base", action="store_true", help="skip the base model's evaluation (the longest, "
                         "and the same for every run on the same model; its paired line is then left out)")
     args = parser.parse_args()
+    if args.rounds < 0:
+        parser.error(f"--rounds {args.rounds}: give 0 (evaluate the SFT policy only) or more GRPO rounds")
     if args.repair and args.agent != "sql_agent":
         parser.error("--repair walks the LangGraph agent's review and rewrite steps: use it with --agent sql_agent")
     if args.from_sft and (args.model is None or args.repair or args.renamed):
@@ -287,7 +291,7 @@ def main() -> None:
         agent_command(args.agent, args.max_tokens if args.link else None)
     python = default_engine_python()
     base = resolve_model(args.model, python)
-    engine = VLLMEngine(EngineConfig(model_dir=base, python=python,
+    engine = VLLMEngine(EngineConfig(model_dir=base, python=python, dtype=args.engine_dtype,
                                      log_path=args.out / "engine.log"))
     engine.start()
     results, timings, answers, summaries = {}, {}, {}, {}
@@ -365,18 +369,20 @@ def main() -> None:
             settings.update(output_dir=str(run), model=warm, sft_tasks=str(repairs), sft_label=repair_labels,
                             sft_untrained=REPAIR_UNTRAINED)
             engine.stop()
-            engine = VLLMEngine(EngineConfig(model_dir=start, python=python, log_path=args.out / "engine.log"))
+            engine = VLLMEngine(EngineConfig(model_dir=start, python=python, dtype=args.engine_dtype,
+                                             log_path=args.out / "engine.log"))
             engine.start()
             began = time.perf_counter()
             train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
             timings["sft+repair"] = time.perf_counter() - began
             run_eval(label, weights(run / "checkpoints" / "sft", start))
-        began = time.perf_counter()
-        train(TrainConfig(rounds=args.rounds, group_steps=not args.no_group_steps, **settings), engine=engine,
-              progress=progress)
-        timings["grpo"] = time.perf_counter() - began
-        last = run / json.loads((run / "run.json").read_text())["last"]
-        run_eval(f"{label}+grpo", weights(last, start))
+        if args.rounds:
+            began = time.perf_counter()
+            train(TrainConfig(rounds=args.rounds, group_steps=not args.no_group_steps, **settings), engine=engine,
+                  progress=progress)
+            timings["grpo"] = time.perf_counter() - began
+            last = run / json.loads((run / "run.json").read_text())["last"]
+            run_eval(f"{label}+grpo", weights(last, start))
         # Last: the only phase a killed run must redo from its start (the walk and the training resume).
         if not args.no_base:
             run_eval("base", "base" if args.model is None else str(base))
@@ -384,7 +390,7 @@ def main() -> None:
         engine.stop()
     # Each policy against the one it was trained from, question by question (eval's paired comparison).
     chain = ([] if args.no_base else ["base"]) + ["sft"] + (["sft+repair"] if args.repair else []) + \
-        [f"{label}+grpo"]
+        ([f"{label}+grpo"] if args.rounds else [])
     paired = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before])
               for before, after in zip(chain, chain[1:])}
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

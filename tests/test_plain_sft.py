@@ -64,3 +64,9 @@ def test_learning_from_sft_needs_the_fine_tuned_model_folder(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), "--out", str(tmp_path),
                            "--from-sft"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--from-sft starts from the fine-tuned --model folder" in proc.stderr
+
+
+def test_learning_refuses_a_negative_round_count(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "learning.py"), "--out", str(tmp_path),
+                           "--rounds", "-1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--rounds -1: give 0 (evaluate the SFT policy only)" in proc.stderr
