@@ -13,7 +13,7 @@ import sqlite3
 
 SYSTEM = ("You write SQLite queries. Answer with one SQL query in a ```sql``` block and nothing else.\n"
           "The database has these tables:\n{schema}")
-FENCED = re.compile(r"```(?:sql|sqlite)?\s*(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
+FENCED = re.compile(r"```(?:sqlite|sql)?\s*(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
 
 
 def messages(db_path, question: str) -> list[dict]:

@@ -82,3 +82,20 @@ def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agen
         assert row["link"] and set(row["link"].splitlines()) <= set(
             read_schema(str(database_path(data, row["db_id"]))).splitlines()), row
         assert extract_sql(LINKED_LABEL.format(**row)) == " ".join(row["query"].split())
+
+
+def test_the_sql_agent_reads_an_empty_answer_block_as_no_query():
+    """An answer of bare fence marks is no query, so the agent's rewrite step keeps the query it had (an untrained
+    rewrite call answered "```" and the agent passed that on as its final SQL)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "sql_agent" / "agent.py"
+    spec = importlib.util.spec_from_file_location("sql_agent_example", path)
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    for empty in ("```", "```sql\n```", "``` ```", "```SQLite\n"):
+        assert agent.extract_sql(empty) == "", empty
+    assert agent.extract_sql("Sure:\n```sql\nSELECT count(*)\nFROM singer\n```") == "SELECT count(*) FROM singer"
+    assert agent.extract_sql("```sqlite\nSELECT Name FROM singer\n```") == "SELECT Name FROM singer"
+    assert agent.extract_sql("the answer is SELECT 1") == "SELECT 1"
+    assert agent.extract_sql("I cannot tell") == "I cannot tell"  # prose stays: the reviewer sees SQLite's error

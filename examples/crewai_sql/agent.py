@@ -29,7 +29,7 @@ def read_schema(db: str) -> str:
 
 def extract_sql(text: str) -> str:
     """The query in the answer, on one line: a ```sql``` block, else from the first SELECT/WITH, else all."""
-    fenced = re.search(r"```(?:sql|sqlite)?\s*(.*?)(?:```|$)", text, re.DOTALL | re.IGNORECASE)
+    fenced = re.search(r"```(?:sqlite|sql)?\s*(.*?)(?:```|$)", text, re.DOTALL | re.IGNORECASE)
     if fenced and fenced.group(1).strip():
         text = fenced.group(1)
     else:

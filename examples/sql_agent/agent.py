@@ -54,13 +54,14 @@ def read_schema(db: str) -> str:
 
 
 def extract_sql(text: str) -> str:
-    """The query in the answer, on one line: a ```sql``` block, else from the first SELECT/WITH, else all."""
-    fenced = re.search(r"```(?:sql|sqlite)?\s*(.*?)(?:```|$)", text, re.DOTALL | re.IGNORECASE)
+    """The query in the answer, on one line: a ```sql``` block, else from the first SELECT/WITH, else all but
+    fence marks (an empty block is no query: "")."""
+    fenced = re.search(r"```(?:sqlite|sql)?\s*(.*?)(?:```|$)", text, re.DOTALL | re.IGNORECASE)
     if fenced and fenced.group(1).strip():
         text = fenced.group(1)
     else:
         start = re.search(r"\b(SELECT|WITH)\b", text, re.IGNORECASE)
-        text = text[start.start():] if start else text
+        text = text[start.start():] if start else re.sub(r"```(?:sqlite|sql)?", " ", text, flags=re.IGNORECASE)
     return " ".join(text.split())
 
 
