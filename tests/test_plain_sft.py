@@ -9,6 +9,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "benchmarks" / "peers"), str(REPO / "benchmarks"), str(REPO / "examples" / "sql_agent")]
+# Imported here, at collection, while examples/sql_agent leads sys.path: plain_sft takes the LangGraph example's
+# prompts from the module named `agent`, and tests that run other examples' agents put their folders first later.
+import plain_sft  # noqa: E402
 
 
 def bundled_dir() -> Path:
@@ -21,9 +24,9 @@ def bundled_dir() -> Path:
 def test_the_review_prompt_is_the_agents_reviewer_call_on_the_gold_query():
     from transformers import AutoTokenizer
 
-    from agent import CHECK, read_schema
-    from plain_sft import Prompts
     from lightning_otel.rewards import bundled_data_dir, database_path
+
+    CHECK, Prompts, read_schema = plain_sft.CHECK, plain_sft.Prompts, plain_sft.read_schema
 
     data = bundled_data_dir()
     row = {"db_id": "singer", "question": "How many singers are there?", "query": "SELECT  count(*)\nFROM singer"}

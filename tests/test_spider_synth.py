@@ -64,9 +64,21 @@ def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_ou
     assert not any(r["id"].startswith(ID_PREFIX) for r in read_rows(plain["grpo"]))
 
 
+def sql_agent_example():
+    """examples/sql_agent/agent.py as a module of its own name: every example's module is `agent`, and which one
+    `import agent` finds depends on the tests that ran before."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "sql_agent" / "agent.py"
+    spec = importlib.util.spec_from_file_location("sql_agent_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agent_still_reads_the_query():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sql_agent"))
-    from agent import extract_sql, read_schema
+    agent = sql_agent_example()
+    extract_sql, read_schema = agent.extract_sql, agent.read_schema
     from learning import LINKED_LABEL, linked_schema, read_rows, with_links
 
     data = bundled_data_dir()
@@ -87,12 +99,7 @@ def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agen
 def test_the_sql_agent_reads_an_empty_answer_block_as_no_query():
     """An answer of bare fence marks is no query, so the agent's rewrite step keeps the query it had (an untrained
     rewrite call answered "```" and the agent passed that on as its final SQL)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "examples" / "sql_agent" / "agent.py"
-    spec = importlib.util.spec_from_file_location("sql_agent_example", path)
-    agent = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(agent)
+    agent = sql_agent_example()
     for empty in ("```", "```sql\n```", "``` ```", "```SQLite\n"):
         assert agent.extract_sql(empty) == "", empty
     assert agent.extract_sql("Sure:\n```sql\nSELECT count(*)\nFROM singer\n```") == "SELECT count(*) FROM singer"
