@@ -291,9 +291,14 @@ def main() -> None:
         agent_command(args.agent, args.max_tokens if args.link else None)
     python = default_engine_python()
     base = resolve_model(args.model, python)
-    engine = VLLMEngine(EngineConfig(model_dir=base, python=python, dtype=args.engine_dtype,
-                                     log_path=args.out / "engine.log"))
-    engine.start()
+
+    def start_engine(model_dir: Path) -> VLLMEngine:  # the run's engine on a model folder (one log for all)
+        started = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, dtype=args.engine_dtype,
+                                          log_path=args.out / "engine.log"))
+        started.start()
+        return started
+
+    engine = start_engine(base)
     results, timings, answers, summaries = {}, {}, {}, {}
     shown: dict[str, int] = {}
 
@@ -369,9 +374,7 @@ def main() -> None:
             settings.update(output_dir=str(run), model=warm, sft_tasks=str(repairs), sft_label=repair_labels,
                             sft_untrained=REPAIR_UNTRAINED)
             engine.stop()
-            engine = VLLMEngine(EngineConfig(model_dir=start, python=python, dtype=args.engine_dtype,
-                                             log_path=args.out / "engine.log"))
-            engine.start()
+            engine = start_engine(start)
             began = time.perf_counter()
             train(TrainConfig(rounds=0, **settings), engine=engine, progress=progress)
             timings["sft+repair"] = time.perf_counter() - began

@@ -53,15 +53,18 @@ def read_schema(db: str) -> str:
     return "\n".join(lines)
 
 
+FENCE = r"```(?:sqlite|sql)?"  # a fence mark and its language tag (the longer tag first, so "sqlite" is read whole)
+
+
 def extract_sql(text: str) -> str:
     """The query in the answer, on one line: a ```sql``` block, else from the first SELECT/WITH, else all but
     fence marks (an empty block is no query: "")."""
-    fenced = re.search(r"```(?:sqlite|sql)?\s*(.*?)(?:```|$)", text, re.DOTALL | re.IGNORECASE)
+    fenced = re.search(FENCE + r"\s*(.*?)(?:```|$)", text, re.DOTALL | re.IGNORECASE)
     if fenced and fenced.group(1).strip():
         text = fenced.group(1)
     else:
         start = re.search(r"\b(SELECT|WITH)\b", text, re.IGNORECASE)
-        text = text[start.start():] if start else re.sub(r"```(?:sqlite|sql)?", " ", text, flags=re.IGNORECASE)
+        text = text[start.start():] if start else re.sub(FENCE, " ", text, flags=re.IGNORECASE)
     return " ".join(text.split())
 
 
