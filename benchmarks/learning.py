@@ -26,11 +26,13 @@ agent: plain single-turn SFT on the same split.
 With --from-sft the --model folder is already fine-tuned (plain_sft.py --save, with --review so the reviewer call
 is trained too): there is no SFT phase, that model's evaluation is the "sft" policy, and GRPO starts from it.
 Give the same --sft-tasks and --synthetic as its SFT run, so that --grpo-synthetic draws questions it never saw.
-Accuracy comes with its 95% interval (Wilson, from eval's summary). The held-out databases are the dev
-databases listed in HELD_OUT; nothing of them is trained on. A killed run resumes when the same command runs
-again: the SFT walk and training from their last saves, GRPO from its last round, and a finished evaluation is
-kept (same weights, agent script and questions); an evaluation cut short starts over, which is why the base
-model's comes last (--no-base skips it: it is the same for every run on the same model).
+Accuracy comes with its 95% interval (Wilson, from eval's summary); each policy is compared with the one it was
+trained from question by question (exact sign test), on right answers and on final SQL that runs at all. The
+held-out databases are the dev databases listed in HELD_OUT; nothing of them is trained on. A killed run resumes
+when the same command runs again: the SFT walk and training from their last saves, GRPO from its last round,
+and a finished evaluation is kept (same weights, agent script and questions); an evaluation cut short starts
+over, which is why the base model's comes last (--no-base skips it: it is the same for every run on the same
+model).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ from spider_synth import round_robin, synthesize
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("singer", "poker_player", "tvshow")
 GRPO_RENAMED = "_grpo"  # the suffix of the GRPO questions' renamed copies (--grpo-renamed)
+SQL_RUNS = ("correct", "wrong_result")  # outcome classes of a final query that runs on its database
 SQL_LABEL = "```sql\n{query}\n```"
 LINKED_LABEL = "{link}\n" + SQL_LABEL  # with --link: the schema lines the query needs, copied first
 LINKED_MAX_TOKENS = 192  # a linked answer's length: its schema lines run ~38 tokens on average, up to ~135
@@ -394,16 +397,22 @@ def main() -> None:
     # Each policy against the one it was trained from, question by question (eval's paired comparison).
     chain = ([] if args.no_base else ["base"]) + ["sft"] + (["sft+repair"] if args.repair else []) + \
         ([f"{label}+grpo"] if args.rounds else [])
-    paired = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before])
-              for before, after in zip(chain, chain[1:])}
+    pairs = list(zip(chain, chain[1:]))
+    paired = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before]) for before, after in pairs}
+    # The same, counting a question as won when its final SQL runs at all (right or other rows): what the
+    # spider_shaped reward pays partial credit for, which can carry over before accuracy does.
+    runs = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before], SQL_RUNS)
+            for before, after in pairs}
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "held_out": HELD_OUT, "accuracy": results,
-                                                        "paired": paired, "first_vs_final_answer": answers,
+                                                        "paired": paired, "paired_sql_runs": runs,
+                                                        "first_vs_final_answer": answers,
                                                         "seconds": timings}, indent=2))
     for name, entry in results.items():
         print(f"{name:>10}: {entry}")
     for pair, entry in paired.items():
         print(f"{pair}: {paired_line(entry)}")
+        print(f"{pair}, final SQL that runs: {paired_line(runs[pair])}")
 
 
 if __name__ == "__main__":

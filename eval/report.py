@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Iterable
 
 from lightning_otel.errors import UserError
 from lightning_otel.eval.metrics import FAILURE_CLASSES, hardness_key, sign_test_p
@@ -89,21 +90,24 @@ def comparison_rows(summary: dict, baseline: dict) -> list[dict]:
     return rows
 
 
-def task_rates(summary: dict) -> dict[str, float]:
-    """Task id -> share of its scored episodes that were right (unscored episodes left out)."""
+def task_rates(summary: dict, classes: Iterable[str] | None = None) -> dict[str, float]:
+    """Task id -> share of its scored episodes that were right (unscored episodes left out); with `classes`,
+    the share whose outcome class is one of them (e.g. correct and wrong_result: the final SQL runs)."""
+    wanted = None if classes is None else set(classes)
     rewards: dict[str, list[float]] = {}
     for episode in summary.get("episodes") or []:
         if episode.get("reward") is not None:
-            rewards.setdefault(episode["task_id"], []).append(1.0 if episode["reward"] == 1.0 else 0.0)
+            hit = episode["reward"] == 1.0 if wanted is None else episode.get("failure_class") in wanted
+            rewards.setdefault(episode["task_id"], []).append(1.0 if hit else 0.0)
     return {task: sum(values) / len(values) for task, values in rewards.items()}
 
 
-def paired_comparison(summary: dict, baseline: dict) -> dict:
+def paired_comparison(summary: dict, baseline: dict, classes: Iterable[str] | None = None) -> dict:
     """Task by task on the tasks both evaluations scored: on how many this one did better, worse, the same
-    (share of right episodes), and the exact sign test's p-value over the tasks that differ. Two accuracies
-    on the same questions are compared this way because their intervals overlap even when one policy wins
-    on nearly every question where they differ."""
-    ours, theirs = task_rates(summary), task_rates(baseline)
+    (share of right episodes, or of episodes whose outcome is in `classes`), and the exact sign test's p-value
+    over the tasks that differ. Two accuracies on the same questions are compared this way because their
+    intervals overlap even when one policy wins on nearly every question where they differ."""
+    ours, theirs = task_rates(summary, classes), task_rates(baseline, classes)
     common = sorted(set(ours) & set(theirs))
     better = sum(ours[t] > theirs[t] for t in common)
     worse = sum(ours[t] < theirs[t] for t in common)

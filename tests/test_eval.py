@@ -426,6 +426,23 @@ def test_paired_comparison_goes_task_by_task():
     assert "evaluate both on the same task file" in paired_line(apart)
 
 
+def test_paired_comparison_can_count_outcome_classes_instead_of_right_answers():
+    def summary(*episodes: tuple[str, float | None, str]) -> dict:
+        return {"episodes": [{"task_id": task, "reward": reward, "failure_class": outcome}
+                             for task, reward, outcome in episodes]}
+
+    # Counting "the SQL runs" (correct or wrong_result): a fix from an error to other rows is a win there and
+    # no change in accuracy; an unscored episode still does not count.
+    ours = summary(("a", 0.0, "wrong_result"), ("b", 1.0, "correct"), ("c", 0.0, "sql_error"),
+                   ("d", None, "unscored"))
+    theirs = summary(("a", 0.0, "sql_error"), ("b", 0.0, "wrong_result"), ("c", 0.0, "wrong_result"),
+                     ("d", None, "unscored"))
+    runs = paired_comparison(ours, theirs, ("correct", "wrong_result"))
+    assert (runs["tasks"], runs["better"], runs["worse"], runs["same"]) == (3, 1, 1, 1)
+    right = paired_comparison(ours, theirs)
+    assert (right["tasks"], right["better"], right["worse"], right["same"]) == (3, 1, 0, 2)
+
+
 def test_the_terminal_summary_gives_accuracy_with_its_interval_and_the_paired_comparison():
     def summary(label: str, rewards: list[float]) -> dict:
         correct = int(sum(rewards))
