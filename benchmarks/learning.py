@@ -45,6 +45,7 @@ from pathlib import Path
 
 from lightning_otel.engine import ENGINE_DTYPES, EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
+from lightning_otel.eval.metrics import SQL_RAN
 from lightning_otel.eval.report import paired_comparison, paired_line
 from lightning_otel.model import resolve_model
 from lightning_otel.policy import resolve_policy
@@ -60,7 +61,6 @@ from spider_synth import round_robin, synthesize
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT = ("singer", "poker_player", "tvshow")
 GRPO_RENAMED = "_grpo"  # the suffix of the GRPO questions' renamed copies (--grpo-renamed)
-SQL_RUNS = ("correct", "wrong_result")  # outcome classes of a final query that runs on its database
 SQL_LABEL = "```sql\n{query}\n```"
 LINKED_LABEL = "{link}\n" + SQL_LABEL  # with --link: the schema lines the query needs, copied first
 LINKED_MAX_TOKENS = 192  # a linked answer's length: its schema lines run ~38 tokens on average, up to ~135
@@ -401,7 +401,7 @@ def main() -> None:
     paired = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before]) for before, after in pairs}
     # The same, counting a question as won when its final SQL runs at all (right or other rows): what the
     # spider_shaped reward pays partial credit for, which can carry over before accuracy does.
-    runs = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before], SQL_RUNS)
+    runs = {f"{after} vs {before}": paired_comparison(summaries[after], summaries[before], SQL_RAN)
             for before, after in pairs}
     (args.out / "learning.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "held_out": HELD_OUT, "accuracy": results,

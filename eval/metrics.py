@@ -44,6 +44,7 @@ FAILURE_CLASSES = {  # name -> meaning, in report order
     "timeout": "the agent ran past the rollout timeout",
     "unscored": "no spider_exec reward (task without gold query)",
 }
+SQL_RAN = ("correct", "wrong_result")  # the classes whose final SQL runs on its database
 SQL_START = re.compile(r"^\s*(SELECT|WITH)\b", re.IGNORECASE)
 Z95 = 1.959963984540054
 

@@ -17,7 +17,7 @@ import pytest
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.eval import EvalConfig, evaluate
-from lightning_otel.eval.metrics import classify, sign_test_p, wilson_interval
+from lightning_otel.eval.metrics import SQL_RAN, classify, sign_test_p, wilson_interval
 from lightning_otel.eval.report import (comparison_rows, paired_comparison, paired_line, read_rounds,
                                         terminal_summary)
 from lightning_otel.model import bundled_model_dir
@@ -437,7 +437,8 @@ def test_paired_comparison_can_count_outcome_classes_instead_of_right_answers():
                    ("d", None, "unscored"))
     theirs = summary(("a", 0.0, "sql_error"), ("b", 0.0, "wrong_result"), ("c", 0.0, "wrong_result"),
                      ("d", None, "unscored"))
-    runs = paired_comparison(ours, theirs, ("correct", "wrong_result"))
+    runs = paired_comparison(ours, theirs, SQL_RAN)
+    assert set(SQL_RAN) == {"correct", "wrong_result"}
     assert (runs["tasks"], runs["better"], runs["worse"], runs["same"]) == (3, 1, 1, 1)
     right = paired_comparison(ours, theirs)
     assert (right["tasks"], right["better"], right["worse"], right["same"]) == (3, 1, 0, 2)
