@@ -71,7 +71,7 @@ def setups(collector_url: str) -> dict:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from lightning_otel import distro
+    from lightning_otel.capture import distro
 
     os.environ["TRACELOOP_TRACE_CONTENT"] = "true"
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning_check import DATABASES, pick  # noqa: E402
 from one_call_sql import messages  # noqa: E402
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
-from lightning_otel.model import resolve_model  # noqa: E402
-from lightning_otel.rewards import bundled_data_dir, database_path  # noqa: E402
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
+from lightning_otel.serve.model import resolve_model  # noqa: E402
+from lightning_otel.rollouts.rewards import bundled_data_dir, database_path  # noqa: E402
 
 
 def requests(questions: int, samples: int, max_tokens: int) -> list[dict]:

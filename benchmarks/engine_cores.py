@@ -1,6 +1,6 @@
 """Does the CPU engine gain from the core vLLM keeps back for its scheduler? The same requests on an engine
 started with vLLM's default (one core kept: VLLM_CPU_NUM_OF_RESERVED_CPU=1) and on one started as the engine
-starts on a machine with few cores (none kept: 0; lightning_otel.engine.engine_cpu_env), one engine at a time,
+starts on a machine with few cores (none kept: 0; lightning_otel.serve.engine.engine_cpu_env), one engine at a time,
 the two alternating.
 
     .venv/bin/python benchmarks/engine_cores.py [--repeats 2] [--concurrency 16] [--model bundled]
@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_batching import requests, timed  # noqa: E402
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
-from lightning_otel.model import resolve_model  # noqa: E402
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
+from lightning_otel.serve.model import resolve_model  # noqa: E402
 
 SETTINGS = {"one kept (vLLM default)": "1", "none kept": "0"}
 

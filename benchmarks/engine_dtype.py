@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, auto_dtype, default_engine_python, native_bf16
-from lightning_otel.model import bundled_model_dir
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, auto_dtype, default_engine_python, native_bf16
+from lightning_otel.serve.model import bundled_model_dir
 
 PROMPT = "singer(Singer_ID, Name, Country, Song_Name, Age) " * 40  # ~600 tokens, a schema-like prompt
 

@@ -24,9 +24,9 @@ sys.path[:0] = [str(REPO / "benchmarks" / "peers")]
 from plain_sft import Prompts  # noqa: E402  (puts benchmarks on the path)
 from learning import HELD_OUT  # noqa: E402
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
-from lightning_otel.model import resolve_model  # noqa: E402
-from lightning_otel.rewards import bundled_data_dir  # noqa: E402
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
+from lightning_otel.serve.model import resolve_model  # noqa: E402
+from lightning_otel.rollouts.rewards import bundled_data_dir  # noqa: E402
 
 
 def held_out_rows(data: Path, count: int) -> list[dict]:

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-from lightning_otel.model import bundled_model_dir
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.serve.model import bundled_model_dir
 
 BODY = {"messages": [{"role": "user", "content": "Name three SQL keywords."}], "max_tokens": 16, "temperature": 0}
 

@@ -72,9 +72,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-    from lightning_otel.gateway import Gateway, GatewayConfig
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
+    from lightning_otel.serve.model import bundled_model_dir
     from lightning_otel.span_store.collector import Collector, CollectorConfig
 
     python = default_engine_python(Path(__file__).resolve().parent.parent)

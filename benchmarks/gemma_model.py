@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from lightning_otel.errors import UserError
-from lightning_otel.model import convert_gguf, is_model_dir
+from lightning_otel.serve.model import convert_gguf, is_model_dir
 
 TEMPLATE = (
     "{{ bos_token }}{% set ns = namespace(system='') %}"

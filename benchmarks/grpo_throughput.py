@@ -301,7 +301,7 @@ def main() -> None:
     if args.samples % args.group or args.samples % args.micro_batch:
         raise SystemExit("--samples must be a multiple of --group and of --micro-batch")
 
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.model import bundled_model_dir
 
     work = args.work or Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     work.mkdir(parents=True, exist_ok=True)

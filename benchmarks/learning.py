@@ -43,15 +43,15 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_otel.engine import ENGINE_DTYPES, EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.serve.engine import ENGINE_DTYPES, EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.eval.metrics import SQL_RAN
 from lightning_otel.eval.report import paired_comparison, paired_line
-from lightning_otel.model import resolve_model
-from lightning_otel.policy import resolve_policy
-from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec
+from lightning_otel.serve.model import resolve_model
+from lightning_otel.serve.policy import resolve_policy
+from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, spider_exec
 from lightning_otel.span_store import client
-from lightning_otel.serving import merge_adapter
+from lightning_otel.serve.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 from spider_rename import renamed_tasks, with_renamed

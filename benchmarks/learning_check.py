@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 
 from grpo_knobs import add_knobs, knob_settings
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-from lightning_otel.model import resolve_model
-from lightning_otel.rewards import bundled_data_dir, database_path, extract_sql, sql_outcome
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.serve.model import resolve_model
+from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, extract_sql, sql_outcome
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 

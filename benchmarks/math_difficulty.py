@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from lightning_otel.runner import RolloutConfig, run_rollouts
+from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="a local Hugging Face model folder (default: the bundled one)")
     args = p.parse_args(argv)
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-    from lightning_otel.model import resolve_model
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.model import resolve_model
 
     args.out.mkdir(parents=True, exist_ok=True)
     python = default_engine_python()

@@ -31,8 +31,8 @@ MODES = {
 
 
 def start_engine(url: str | None):
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.model import bundled_model_dir
 
     python = default_engine_python(ROOT)
     engine = VLLMEngine(EngineConfig(model_dir=bundled_model_dir(python=python), python=python))
@@ -44,7 +44,7 @@ def start_engine(url: str | None):
 
 
 def write_tasks(folder: Path, count: int) -> Path:
-    from lightning_otel.rewards import bundled_data_dir
+    from lightning_otel.rollouts.rewards import bundled_data_dir
 
     rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines()][:count]
     path = folder / "tasks.jsonl"
@@ -53,7 +53,7 @@ def write_tasks(folder: Path, count: int) -> Path:
 
 
 def one_run(mode: str, tasks: Path, n: int, db: Path, engine, args, worker=None) -> dict:
-    from lightning_otel.runner import RolloutConfig, run_rollouts
+    from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 
     config = RolloutConfig(tasks=tasks, agent=MODES[mode], n=n, concurrency=args.concurrency, db=db,
                            reward="spider_exec", timeout_s=600, temperature=0.0, max_tokens=args.max_tokens)
@@ -86,8 +86,8 @@ def main() -> None:
     collector.start()
     engine = start_engine(args.engine_url)
     tasks = write_tasks(folder, args.tasks)
-    from lightning_otel.agent_fn import parse_agent_function
-    from lightning_otel.runner import start_agent_worker
+    from lightning_otel.capture.agent_fn import parse_agent_function
+    from lightning_otel.rollouts.runner import start_agent_worker
 
     worker = start_agent_worker(parse_agent_function(MODES["kept"]), collector.url)
     rows = []

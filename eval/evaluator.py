@@ -6,7 +6,7 @@
     from lightning_otel.eval import EvalConfig, evaluate
     result = evaluate(EvalConfig(tasks=..., agent=..., model="base", report=Path("reports/base")))
 
-The policy (lightning_otel.policy: the bundled model, a run's best checkpoint, a LoRA adapter or a model
+The policy (lightning_otel.serve.policy: the bundled model, a run's best checkpoint, a LoRA adapter or a model
 folder) is served by vLLM behind the token-recording gateway, a LoRA adapter hot-loaded with
 engine.update_weights. The rollout runner executes the agent n times per task, scored by spider_exec; the
 traces go to a DuckDB store (default <report>/traces.duckdb) and every number of the report is a query
@@ -26,9 +26,9 @@ from lightning_otel.errors import UserError
 from lightning_otel.eval.metrics import REWARD, compute_metrics
 from lightning_otel.eval.plots import write_plots
 from lightning_otel.eval.report import comparison_rows, paired_comparison, read_rounds, read_summary, write_report
-from lightning_otel.policy import Policy, resolve_policy
-from lightning_otel.rewards import bundled_data_dir
-from lightning_otel.runner import RolloutConfig, RolloutResult, check_inputs, load_tasks, run_rollouts
+from lightning_otel.serve.policy import Policy, resolve_policy
+from lightning_otel.rollouts.rewards import bundled_data_dir
+from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, check_inputs, load_tasks, run_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
     """The engine serving `policy`: the one given (switched to the policy, back on its own base model when a
     trainer left it on merged weights, its policy restored on exit), or one started here on the policy's
     base model."""
-    from lightning_otel.engine import EngineConfig, EngineError, VLLMEngine, default_engine_python
+    from lightning_otel.serve.engine import EngineConfig, EngineError, VLLMEngine, default_engine_python
 
     if engine is None:
         rank = adapter_rank(policy.adapter) if policy.adapter else 8

@@ -28,7 +28,7 @@ import re
 import sqlite3
 from pathlib import Path
 
-from lightning_otel.rewards import QueryTimeout, database_path, extract_sql, run_query
+from lightning_otel.rollouts.rewards import QueryTimeout, database_path, extract_sql, run_query
 from lightning_otel.span_store import client
 
 log = logging.getLogger(__name__)

@@ -143,8 +143,8 @@ def engine(tmp_path_factory):
     Needs the engine environment that `make test` builds (.venv-engine); without it this fails, it does
     not skip: the gateway cannot be tested without the real engine.
     """
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.model import bundled_model_dir
 
     python = default_engine_python(REPO)
     model_dir = bundled_model_dir(python=python)
@@ -163,7 +163,7 @@ def tokenizer(engine):
 
 @pytest.fixture
 def gateway(engine, collector):
-    from lightning_otel.gateway import Gateway, GatewayConfig
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
     engine.use_base()  # the base model at policy version 0, whatever an earlier test of the session loaded
     gw = Gateway(engine, GatewayConfig(collector_url=collector.url))
     gw.start()

@@ -95,7 +95,7 @@ def lora_model():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.model import bundled_model_dir
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(bundled_model_dir(), dtype=torch.float32)

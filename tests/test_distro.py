@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_otel import distro
+from lightning_otel.capture import distro
 from lightning_otel.span_store import client
 
 BIN = Path(sys.executable).parent

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lightning_otel.engine import SMALL_MACHINE_CORES, EngineConfig, VLLMEngine, engine_cpu_env, native_bf16
+from lightning_otel.serve.engine import SMALL_MACHINE_CORES, EngineConfig, VLLMEngine, engine_cpu_env, native_bf16
 from lightning_otel.errors import UserError
 
 # /proc/cpuinfo lines as Linux writes them (flags abridged to the vector extensions and their neighbours).

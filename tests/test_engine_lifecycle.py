@@ -14,8 +14,8 @@ import pytest
 
 OWNER = textwrap.dedent("""
     import time
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.model import bundled_model_dir
     python = default_engine_python()
     engine = VLLMEngine(EngineConfig(model_dir=bundled_model_dir(python), python=python, kv_cache_gib=1))
     engine.start()
@@ -74,8 +74,8 @@ def test_only_a_folder_of_the_same_shape_and_tokenizer_loads_in_place(tmp_path):
     import json
     import shutil
 
-    from lightning_otel.engine import same_model_shape
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.engine import same_model_shape
+    from lightning_otel.serve.model import bundled_model_dir
 
     base = bundled_model_dir()
     copy = tmp_path / "copy"

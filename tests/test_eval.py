@@ -20,9 +20,9 @@ from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.eval.metrics import SQL_RAN, classify, sign_test_p, wilson_interval
 from lightning_otel.eval.report import (comparison_rows, paired_comparison, paired_line, read_rounds,
                                         terminal_summary)
-from lightning_otel.model import bundled_model_dir
-from lightning_otel.policy import resolve_policy
-from lightning_otel.rewards import bundled_data_dir, database_path
+from lightning_otel.serve.model import bundled_model_dir
+from lightning_otel.serve.policy import resolve_policy
+from lightning_otel.rollouts.rewards import bundled_data_dir, database_path
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = f"{sys.executable} {REPO / 'examples' / 'openai_sql' / 'agent.py'} --question {{question}} --db {{db_path}}"

@@ -156,8 +156,8 @@ def test_agent_functions_run_in_the_worker(name, engine, tmp_path):
     """The same examples as agent functions (`agent.py:run`), several rollouts at once in one worker process:
     every rollout ends ok with its calls joined to token records under its agent, and the registered Spider
     reward scores its final SQL."""
-    from lightning_otel.rewards import SHAPED
-    from lightning_otel.runner import RolloutConfig, run_rollouts
+    from lightning_otel.rollouts.rewards import SHAPED
+    from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 
     from test_inprocess import singer_tasks, write_tasks
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_otel.model import bundled_model_dir
+from lightning_otel.serve.model import bundled_model_dir
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.learner import Learner
 from lightning_otel.train.optimize import optimize

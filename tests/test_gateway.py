@@ -178,7 +178,7 @@ def test_update_weights_hot_loads_a_lora_adapter(gateway, engine, db_path, tmp_p
 
 
 def test_a_call_limit_per_rollout_refuses_later_calls_even_when_concurrent(engine, collector, db_path):
-    from lightning_otel.gateway import Gateway, GatewayConfig
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
     limited = Gateway(engine, GatewayConfig(collector_url=collector.url, max_calls_per_rollout=2))
     limited.start()
     try:
@@ -237,7 +237,7 @@ def test_recorded_logprobs_are_those_of_the_tempered_distribution_the_learner_sc
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.model import bundled_model_dir
     from lightning_otel.train.batch import collate, completion_logprobs
 
     code, _ = _chat(gateway.base_url("ro-tempered").removesuffix("/v1"),
@@ -304,7 +304,7 @@ def test_tool_choice_required_or_named_starts_the_answer_as_a_call_and_none_offe
 
 
 def test_off_policy_params_are_the_non_neutral_ones():
-    from lightning_otel.request_checks import off_policy_params
+    from lightning_otel.serve.request_checks import off_policy_params
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {"7": 0},
                "response_format": {"type": "text"}, "top_p": 1, "top_k": -1, "min_tokens": 0, "best_of": 2, "n": 2,
                "structured_outputs": {"backend": "xgrammar"}, "seed": 3, "stop": ["\n"], "logprobs": True}
@@ -320,7 +320,7 @@ def test_off_policy_params_are_the_non_neutral_ones():
 @pytest.fixture
 def training_gateway(engine, collector, request):
     """A gateway that records training rollouts (temperature forced) with off_policy_params=request.param."""
-    from lightning_otel.gateway import Gateway, GatewayConfig
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
     gw = Gateway(engine, GatewayConfig(collector_url=collector.url, temperature=1.0, max_tokens_cap=2,
                                        off_policy_params=request.param))
     gw.start()

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from lightning_otel import LLM
-from lightning_otel.agent_fn import parse_agent_function
+from lightning_otel.capture.agent_fn import parse_agent_function
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
-from lightning_otel.rewards import bundled_data_dir
-from lightning_otel.runner import RolloutConfig, run_rollouts
+from lightning_otel.rollouts.rewards import bundled_data_dir
+from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
 HERE = Path(__file__).resolve().parent
@@ -230,7 +230,7 @@ def _dead(pid: int) -> bool:
 def test_the_worker_dies_with_a_sigkilled_runner(db_path, tmp_path):
     pid_file = tmp_path / "worker.pid"
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": "sleep", "pid_file": str(pid_file)}])
-    script = ("import sys\nfrom lightning_otel.runner import RolloutConfig, run_rollouts\n"
+    script = ("import sys\nfrom lightning_otel.rollouts.runner import RolloutConfig, run_rollouts\n"
               "run_rollouts(RolloutConfig(tasks=sys.argv[1], agent=sys.argv[2], n=1, db=sys.argv[3], "
               f"base_url={NOWHERE!r}, timeout_s=600))\n")
     runner = subprocess.Popen([sys.executable, "-c", script, str(tasks), f"{HELPERS}:sleeper", str(db_path)],

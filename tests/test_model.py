@@ -7,9 +7,9 @@ import subprocess
 import pytest
 
 from conftest import REPO
-from lightning_otel.engine import default_engine_python
+from lightning_otel.serve.engine import default_engine_python
 from lightning_otel.errors import UserError
-from lightning_otel.model import bundled_gguf, bundled_model_dir, convert_gguf, is_model_dir, resolve_model
+from lightning_otel.serve.model import bundled_gguf, bundled_model_dir, convert_gguf, is_model_dir, resolve_model
 
 COMPARE = r"""
 import sys, torch

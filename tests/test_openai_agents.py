@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from lightning_otel.eval.metrics import compute_metrics
-from lightning_otel.runner import RolloutConfig, run_rollouts
+from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
 REPO = Path(__file__).resolve().parent.parent

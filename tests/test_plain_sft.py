@@ -15,8 +15,8 @@ import plain_sft  # noqa: E402
 
 
 def bundled_dir() -> Path:
-    from lightning_otel.engine import default_engine_python
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.engine import default_engine_python
+    from lightning_otel.serve.model import bundled_model_dir
 
     return bundled_model_dir(python=default_engine_python(REPO))
 
@@ -24,7 +24,7 @@ def bundled_dir() -> Path:
 def test_the_review_prompt_is_the_agents_reviewer_call_on_the_gold_query():
     from transformers import AutoTokenizer
 
-    from lightning_otel.rewards import bundled_data_dir, database_path
+    from lightning_otel.rollouts.rewards import bundled_data_dir, database_path
 
     CHECK, Prompts, read_schema = plain_sft.CHECK, plain_sft.Prompts, plain_sft.read_schema
 
@@ -44,7 +44,7 @@ def test_the_review_prompt_is_the_agents_reviewer_call_on_the_gold_query():
 def test_save_writes_a_fine_tuned_model_folder_with_its_chat_template(tmp_path):
     from safetensors.torch import load_file
 
-    from lightning_otel.model import is_model_dir
+    from lightning_otel.serve.model import is_model_dir
 
     out, saved = tmp_path / "out", tmp_path / "model"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "plain_sft.py"), "--out", str(out),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_otel.errors import UserError
-from lightning_otel.model import bundled_model_dir
+from lightning_otel.serve.model import bundled_model_dir
 from lightning_otel.train.batch import collate
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.credit import EPS

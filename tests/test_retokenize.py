@@ -21,7 +21,7 @@ ROLLOUTS = FIXTURES / "rollouts"
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.model import bundled_model_dir
     return ChatTokenizer.load(bundled_model_dir())
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from lightning_otel.errors import UserError
-from lightning_otel.rewards import (bundled_data_dir, call_reward, database_path, resolve_reward, results_match,
+from lightning_otel.rollouts.rewards import (bundled_data_dir, call_reward, database_path, resolve_reward, results_match,
                                    spider_exec, spider_shaped)
 
 SINGER = {"id": "t1", "db_id": "singer"}
@@ -150,7 +150,7 @@ def test_a_reward_in_a_file_imports_with_its_folder_on_the_path(tmp_path):
 
 
 def test_number_match_reads_the_last_number_of_the_final_output():
-    from lightning_otel.rewards import last_number, number_match
+    from lightning_otel.rollouts.rewards import last_number, number_match
 
     assert [last_number(t) for t in ("It is 1,234.", "-5.5 then 7", "x", "", None, "3,39")] == \
         [1234.0, 7.0, None, None, None, 39.0]

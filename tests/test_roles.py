@@ -13,9 +13,9 @@ import pytest
 from google.rpc import status_pb2
 
 from conftest import health, post
-from lightning_otel import rewards
+from lightning_otel.rollouts import rewards
 from lightning_otel.errors import UserError
-from lightning_otel.runner import RolloutConfig, Runner, Task, agent_environment, agent_token, run_rollouts
+from lightning_otel.rollouts.runner import RolloutConfig, Runner, Task, agent_environment, agent_token, run_rollouts
 from lightning_otel.span_store import client, discovery
 from lightning_otel.span_store.collector import Collector, CollectorConfig, private_config
 from lightning_otel.train import trajectories
@@ -204,7 +204,7 @@ def test_an_agent_cannot_write_or_overwrite_its_own_reward(tmp_path, monkeypatch
 
 
 def test_the_trainers_collector_has_a_token_per_role_and_its_agents_the_ingest_one(tmp_path, monkeypatch):
-    from lightning_otel import runner
+    from lightning_otel.rollouts import runner
     from lightning_otel.train.config import TrainConfig
     from lightning_otel.train.trainer import Trainer
 

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import post
 from lightning_otel.errors import UserError
-from lightning_otel.gateway import Gateway, GatewayConfig
+from lightning_otel.serve.gateway import Gateway, GatewayConfig
 from lightning_otel.httpserver import ConnectionLimits
 from lightning_otel.span_store import client
 from test_collector_http import sample_request

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from spider_repair import REPAIR_LABELS, corrupt, name_variants, repair_tasks, replace_word, schema_names  # noqa: E402
 
-from lightning_otel.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
+from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
 
 
 def rows_of(*databases: str) -> list[dict]:
@@ -75,7 +75,7 @@ def test_repair_tasks_take_each_database_in_turn_and_their_labels_fill_from_the_
 def test_the_langgraph_agent_walks_the_repair_path_and_only_the_repair_is_trained(engine, db_path, tmp_path):
     from transformers import AutoTokenizer
 
-    from lightning_otel.runner import RolloutConfig, load_tasks, run_rollouts
+    from lightning_otel.rollouts.runner import RolloutConfig, load_tasks, run_rollouts
     from lightning_otel.train.sft import call_prompts, demonstration_rows
     from spider_repair import REPAIR_UNTRAINED
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lightning_otel.toolcalls import HermesToolFormat, tool_format
+from lightning_otel.serve.toolcalls import HermesToolFormat, tool_format
 
 TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "Run SQL",
                                            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]

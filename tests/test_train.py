@@ -21,7 +21,7 @@ import torch
 
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
-from lightning_otel.runner import load_tasks
+from lightning_otel.rollouts.runner import load_tasks
 from lightning_otel.train.config import TrainConfig, load_config
 from lightning_otel.train.trainer import Trainer, round_tasks
 
@@ -93,7 +93,7 @@ def test_bad_config_is_refused_with_what_to_do(args, message):
 
 
 def test_the_gpu_knobs_reach_the_engine_command(tmp_path):
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.model import bundled_model_dir
     from lightning_otel.train.trainer import engine_config
 
     config = load_config(None, ["gpu_memory_utilization=0.35", "sleep_mode=true",
@@ -105,7 +105,7 @@ def test_the_gpu_knobs_reach_the_engine_command(tmp_path):
     engine = engine_config(config, bundled_model_dir())
     assert (engine.gpu_memory_utilization, engine.sleep_mode, engine.max_lora_rank, engine.max_model_len) == (
         0.35, True, 32, 4096)
-    from lightning_otel.engine import VLLMEngine
+    from lightning_otel.serve.engine import VLLMEngine
 
     command = VLLMEngine(engine).command()
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.35" and "--enable-sleep-mode" in command
@@ -407,7 +407,7 @@ def test_a_full_fine_tune_round_serves_the_new_weights_without_restarting_the_en
     the running engine (same architecture and tokenizer: no restart)."""
     from safetensors.torch import load_file
 
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.model import bundled_model_dir
 
     engine.use_base()
     restarts = engine.restarts
@@ -492,7 +492,7 @@ def test_export_merges_the_adapter_into_a_model_that_computes_the_same_logits(tr
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lightning_otel.serving import export_policy
+    from lightning_otel.serve.serving import export_policy
 
     config, state, *_ = trained
     out = export_policy(config.output_dir, tmp_path / "merged", merge=True)
@@ -512,7 +512,7 @@ def test_serve_puts_the_trained_policy_behind_the_gateway_and_records_its_calls(
     import threading
     import urllib.request
 
-    from lightning_otel.serving import serve_policy
+    from lightning_otel.serve.serving import serve_policy
     from lightning_otel.span_store import client
 
     config, state, *_ = trained

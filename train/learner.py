@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_otel.engine import native_bf16
+from lightning_otel.serve.engine import native_bf16
 from lightning_otel.train import distributed
 from lightning_otel.train.batch import Batch, completion_logprobs
 from lightning_otel.train.config import TrainConfig

@@ -52,8 +52,8 @@ def selected_rollouts(db: Path, where: str | None) -> set[str] | None:
 
 def train_offline(config: TrainConfig, db: Path, where: str | None = None, objective: str = "grpo",
                   min_reward: float = 1.0, progress: Callable[[str, int, int], None] | None = None) -> dict:
-    from lightning_otel.engine import default_engine_python
-    from lightning_otel.model import resolve_model
+    from lightning_otel.serve.engine import default_engine_python
+    from lightning_otel.serve.model import resolve_model
     from lightning_otel.train.learner import Learner
 
     advantage = offline_advantage(config, objective)

@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from lightning_otel.errors import UserError
-from lightning_otel.toolcalls import ToolFormat, tool_format
+from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ChatTokenizer:
     def load(cls, model_dir: Path, tool_format_name: str = "hermes") -> ChatTokenizer:
         from transformers import AutoTokenizer
 
-        from lightning_otel.gateway import template_renders_tools
+        from lightning_otel.serve.gateway import template_renders_tools
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         except (OSError, ValueError) as exc:

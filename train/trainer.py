@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 
 from lightning_otel.errors import UserError
-from lightning_otel.runner import RolloutConfig, Task, load_tasks, run_rollouts
-from lightning_otel.serving import merge_adapter
+from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
+from lightning_otel.serve.serving import merge_adapter
 from lightning_otel.train.compile import CompileConfig, compile_transitions
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
@@ -136,8 +136,8 @@ class Trainer:
         self.db = self.folder.path / "traces.duckdb"
 
     def __enter__(self) -> "Trainer":
-        from lightning_otel.model import resolve_model
-        from lightning_otel.engine import default_engine_python
+        from lightning_otel.serve.model import resolve_model
+        from lightning_otel.serve.engine import default_engine_python
         from lightning_otel.span_store.collector import Collector, private_config
         from lightning_otel.train.learner import Learner
 
@@ -175,7 +175,7 @@ class Trainer:
             raise UserError(f"the given engine serves {self._engine.config.model_dir}, but this run trains "
                             f"{self.model_dir}; give an engine on the same base model")
         if self._engine is None:
-            from lightning_otel.engine import VLLMEngine
+            from lightning_otel.serve.engine import VLLMEngine
 
             engine = VLLMEngine(engine_config(self.config, self.model_dir, self.folder.path / "engine.log"))
             if self.config.engine_url:
@@ -217,8 +217,8 @@ class Trainer:
 
     def _agent_worker(self):
         """For an agent function: one worker process for every rollout of the run (None for a command)."""
-        from lightning_otel.agent_fn import load_agent_function, parse_agent_function
-        from lightning_otel.runner import start_agent_worker
+        from lightning_otel.capture.agent_fn import load_agent_function, parse_agent_function
+        from lightning_otel.rollouts.runner import start_agent_worker
 
         if self._worker is None and (agent := parse_agent_function(self.config.agent)) is not None:
             load_agent_function(agent)  # a clear error here, before the worker tries
@@ -399,7 +399,7 @@ class Trainer:
 
 def engine_config(config: TrainConfig, model_dir: Path, log_path: Path | None = None):
     """The engine a run starts for itself: its model, adapter rank and context length, and the GPU knobs."""
-    from lightning_otel.engine import EngineConfig, default_engine_python
+    from lightning_otel.serve.engine import EngineConfig, default_engine_python
 
     return EngineConfig(model_dir=model_dir, python=config.engine_python or default_engine_python(),
                         max_lora_rank=max(16, config.lora_rank), max_model_len=config.max_length, log_path=log_path,

@@ -66,7 +66,7 @@ def load_tokenizer(model: Path | str | None) -> tuple[ChatTokenizer | None, str 
     re-tokenisation (its rollouts are then excluded with the reason)."""
     if model is None:
         return None, "no tokenizer to re-tokenise it with: give --model"
-    from lightning_otel.model import resolve_model
+    from lightning_otel.serve.model import resolve_model
     if str(model) in ("bundled", "base"):
         try:
             return ChatTokenizer.load(resolve_model(None)), None

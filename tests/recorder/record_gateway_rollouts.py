@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-from lightning_otel.model import bundled_model_dir
-from lightning_otel.rewards import bundled_data_dir
-from lightning_otel.runner import RolloutConfig, run_rollouts
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.serve.model import bundled_model_dir
+from lightning_otel.rollouts.rewards import bundled_data_dir
+from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
 REPO = Path(__file__).resolve().parents[2]

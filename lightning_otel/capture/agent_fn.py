@@ -8,7 +8,7 @@
 
 `task` is the task's fields plus `db_path` (a fresh copy of its database when it has a `db_id`); `llm` says
 where to send model calls for this rollout (its own gateway prefix) and which rollout it is. The runner
-calls such functions in one long-lived worker process (lightning_otel.agent_worker), many at a time.
+calls such functions in one long-lived worker process (lightning_otel.capture.agent_worker), many at a time.
 
 This module is imported into agent processes: it must stay light (no duckdb, no torch; openai lazily).
 """

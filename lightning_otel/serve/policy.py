@@ -163,5 +163,5 @@ def _round_of(path: Path) -> int:
 
 
 def _bundled(python: str | None) -> Path:
-    from lightning_otel.model import bundled_model_dir
+    from lightning_otel.serve.model import bundled_model_dir
     return bundled_model_dir(python)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from lightning_otel.distro import ONLY_ENV
+from lightning_otel.capture.distro import ONLY_ENV
 from lightning_otel.errors import UserError
-from lightning_otel.rewards import bundled_data_dir
+from lightning_otel.rollouts.rewards import bundled_data_dir
 
 log = logging.getLogger(__name__)
 HELD_OUT = ("singer", "poker_player")  # evaluation databases: never trained on
@@ -103,9 +103,9 @@ def split_tasks(config: DemoConfig, folder: Path) -> dict[str, Path]:
 
 def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Returns {"folder", "before", "after", "run"}: the two eval summaries and the run's state."""
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
     from lightning_otel.eval import EvalConfig, evaluate
-    from lightning_otel.model import resolve_model
+    from lightning_otel.serve.model import resolve_model
     from lightning_otel.train.config import TrainConfig
     from lightning_otel.train.trainer import train
 

@@ -3,7 +3,7 @@
     lightning-otel export-policy runs/sql --out sql-policy [--merge]
     lightning-otel serve runs/sql --port 8000 [--db traces.duckdb]
 
-`--model`-style values are resolved by lightning_otel.policy (a run folder means its best checkpoint).
+`--model`-style values are resolved by lightning_otel.serve.policy (a run folder means its best checkpoint).
 Export writes the LoRA adapter as PEFT saves it, or with --merge one full Hugging Face model folder (the
 adapter merged into the base weights, tokenizer included) that any inference server loads. Serve starts
 vLLM on the base model with the adapter hot-loaded and the OpenAI-compatible gateway in front of it; every
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from lightning_otel.errors import UserError
-from lightning_otel.policy import Policy, resolve_policy
+from lightning_otel.serve.policy import Policy, resolve_policy
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
                  engine=None) -> None:
     """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on 127.0.0.1:port. An engine
     already running on the policy's base model may be given instead of starting one."""
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-    from lightning_otel.gateway import Gateway, GatewayConfig, template_renders_tools
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
     from lightning_otel.span_store import discovery
     from lightning_otel.span_store.collector import Collector, private_config
 

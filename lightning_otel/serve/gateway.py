@@ -36,13 +36,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 
-from lightning_otel.distro import LightningSpanExporter
-from lightning_otel.engine import Engine, EngineError
+from lightning_otel.capture.distro import LightningSpanExporter
+from lightning_otel.serve.engine import Engine, EngineError
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
-from lightning_otel.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_common, forced_tool,
+from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_common, forced_tool,
                                           off_policy_params)
-from lightning_otel.toolcalls import ToolFormat, tool_format
+from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
 GENERATE_SPAN = "lightning.generate"
@@ -101,7 +101,7 @@ class Gateway:
         if config.collector_url:
             exporter = LightningSpanExporter(endpoint=config.collector_url, token=config.collector_token)
             self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
-        self.tracer = self.provider.get_tracer("lightning_otel.gateway")
+        self.tracer = self.provider.get_tracer("lightning_otel.serve.gateway")
         self.server = _Server((config.host, config.port), _Handler, self, config.connection_limits)
         self.port = self.server.server_address[1]
         self.url = f"http://{config.host}:{self.port}"

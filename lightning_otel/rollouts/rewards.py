@@ -198,7 +198,7 @@ def resolve_reward(spec: str) -> RewardFunction:
     if ":" not in spec:
         raise UserError(f"unknown reward {spec!r}: use one of {sorted(REGISTRY)}, module:function or "
                         "path/to/file.py:function")
-    from lightning_otel.agent_fn import load_agent_function, parse_agent_function
+    from lightning_otel.capture.agent_fn import load_agent_function, parse_agent_function
 
     in_file = parse_agent_function(spec)
     if in_file is not None and in_file.is_file:

@@ -1,9 +1,9 @@
-"""The in-process mode's worker process: calls an agent function (lightning_otel.agent_fn) for many rollouts,
+"""The in-process mode's worker process: calls an agent function (lightning_otel.capture.agent_fn) for many rollouts,
 each in a thread of its own, in one long-lived process.
 
-    opentelemetry-instrument python -m lightning_otel.agent_worker examples/openai_sql/agent.py:run
+    opentelemetry-instrument python -m lightning_otel.capture.agent_worker examples/openai_sql/agent.py:run
 
-The runner (lightning_otel.inprocess) starts it under opentelemetry-instrument with the same environment the
+The runner (lightning_otel.rollouts.inprocess) starts it under opentelemetry-instrument with the same environment the
 subprocess mode gives agents, less the per-rollout resource attributes: here each call runs inside
 `lightning_otel.rollout(task_id=, rollout_id=, attempt=)`, whose baggage the distro's span processor copies
 onto every span the call starts, so the store groups them exactly as it groups a subprocess's spans.
@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 from opentelemetry import trace
 
-from lightning_otel.agent_fn import LLM, load_agent_function, parse_agent_function
+from lightning_otel.capture.agent_fn import LLM, load_agent_function, parse_agent_function
 from lightning_otel.errors import UserError
-from lightning_otel.rollout import rollout
+from lightning_otel.capture.context import rollout
 
 JOBS_FD_ENV = "LIGHTNING_WORKER_JOBS_FD"
 RESULTS_FD_ENV = "LIGHTNING_WORKER_RESULTS_FD"

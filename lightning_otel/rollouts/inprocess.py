@@ -1,4 +1,4 @@
-"""The runner's side of the in-process mode: one long-lived worker process (lightning_otel.agent_worker) that
+"""The runner's side of the in-process mode: one long-lived worker process (lightning_otel.capture.agent_worker) that
 calls the agent function for many rollouts at once, instead of one `opentelemetry-instrument` process per
 rollout (about 1.5 s of process start each).
 
@@ -22,8 +22,8 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
-from lightning_otel.agent_fn import AgentFunction
-from lightning_otel.agent_worker import JOBS_FD_ENV, RESULTS_FD_ENV
+from lightning_otel.capture.agent_fn import AgentFunction
+from lightning_otel.capture.agent_worker import JOBS_FD_ENV, RESULTS_FD_ENV
 from lightning_otel.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class AgentWorker:
     def __init__(self, agent: AgentFunction, argv: list[str], env: dict[str, str],
                  start_timeout_s: float = START_TIMEOUT_S):
         self.agent = agent
-        self.argv = argv  # the worker's command (opentelemetry-instrument python -m lightning_otel.agent_worker SPEC)
+        self.argv = argv  # the worker's command (opentelemetry-instrument python -m lightning_otel.capture.agent_worker SPEC)
         self.env = env
         self.start_timeout_s = start_timeout_s
         self.started = 0  # worker processes started, restarts included

@@ -43,7 +43,7 @@ def new_rollout_id() -> str:
 
 def _ensure_baggage_processor() -> None:
     """When the app set up its own SDK TracerProvider (no opentelemetry-instrument), add our processor."""
-    from lightning_otel.distro import BaggageToAttributes
+    from lightning_otel.capture.distro import BaggageToAttributes
     provider = trace.get_tracer_provider()
     add = getattr(provider, "add_span_processor", None)
     active = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", ())

@@ -17,7 +17,7 @@ rollout starts.
 
 Agent functions (`agent="module:function"` or `"path/to/file.py:function"`, no spaces; anything else is a
 command): each rollout is a call `fn(task, llm)` in ONE long-lived worker process under
-opentelemetry-instrument, many at a time (lightning_otel.inprocess, lightning_otel.agent_worker), instead of
+opentelemetry-instrument, many at a time (lightning_otel.rollouts.inprocess, lightning_otel.capture.agent_worker), instead of
 a process per rollout. `task` is the task's fields plus `db_path` (the same fresh copy {db_path} gives);
 `llm` (lightning_otel.LLM) carries the rollout's gateway URL, API key, model name and ids. The call runs
 inside lightning_otel.rollout(), so its spans carry the rollout's ids as span attributes, where a
@@ -49,13 +49,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from lightning_otel.agent_fn import AgentFunction, load_agent_function, parse_agent_function
+from lightning_otel.capture.agent_fn import AgentFunction, load_agent_function, parse_agent_function
 from lightning_otel.errors import UserError
-from lightning_otel.rewards import bundled_data_dir, call_reward, database_path, resolve_reward
-from lightning_otel.rollout import new_rollout_id
+from lightning_otel.rollouts.rewards import bundled_data_dir, call_reward, database_path, resolve_reward
+from lightning_otel.capture.context import new_rollout_id
 
 if TYPE_CHECKING:
-    from lightning_otel.inprocess import AgentWorker
+    from lightning_otel.rollouts.inprocess import AgentWorker
     from lightning_otel.span_store.discovery import CollectorInfo
 
 log = logging.getLogger(__name__)
@@ -285,14 +285,14 @@ def start_agent_worker(agent: AgentFunction, collector_url: str, collector_token
     A caller that runs many rollout calls on one collector (the trainer's rounds) keeps one for all of them
     (run_rollouts(worker=...)); each call's gateway then differs, so give `base_url` only for a worker of one
     call: every rollout gets its own gateway URL as llm.base_url anyway."""
-    from lightning_otel.inprocess import AgentWorker
+    from lightning_otel.rollouts.inprocess import AgentWorker
 
     env = agent_environment(base_url or "", collector_url, collector_token, api_key, model_name)
     if base_url is None:
         env.pop("OPENAI_BASE_URL")
         if os.environ.get("OPENAI_BASE_URL"):
             env["OPENAI_BASE_URL"] = os.environ["OPENAI_BASE_URL"]
-    argv = [find_instrument(), sys.executable, "-m", "lightning_otel.agent_worker", agent.spec]
+    argv = [find_instrument(), sys.executable, "-m", "lightning_otel.capture.agent_worker", agent.spec]
     return AgentWorker(agent, argv, env).start()
 
 
@@ -506,9 +506,9 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
 
 def start_gateway(config: RolloutConfig, collector_info, engine, owned):
     """The gateway over `engine`, or over a vLLM engine started here on config.model (bundled by default)."""
-    from lightning_otel.engine import EngineConfig, VLLMEngine, default_engine_python
-    from lightning_otel.gateway import Gateway, GatewayConfig, template_renders_tools
-    from lightning_otel.model import resolve_model
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
+    from lightning_otel.serve.model import resolve_model
 
     if engine is None:
         python = default_engine_python()

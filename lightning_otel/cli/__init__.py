@@ -117,7 +117,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from lightning_otel.demo import DemoConfig, comparison_table, run_demo
+    from lightning_otel.cli.demo import DemoConfig, comparison_table, run_demo
 
     config = DemoConfig(folder=args.folder, quick=args.quick, agent=args.agent)
     logging.getLogger("lightning_otel.train.metrics").setLevel(logging.INFO)
@@ -205,7 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from lightning_otel.runner import RolloutConfig, run_rollouts
+    from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 
     config = RolloutConfig(tasks=args.tasks, agent=args.agent, n=args.n, concurrency=args.concurrency, db=args.db,
                            base_url=args.base_url, api_key=args.api_key, model=args.model,
@@ -337,7 +337,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export_policy(args: argparse.Namespace) -> int:
-    from lightning_otel.serving import export_policy
+    from lightning_otel.serve.serving import export_policy
 
     out = export_policy(args.model, args.out, merge=args.merge)
     kind = "merged model folder" if args.merge else "policy"
@@ -346,7 +346,7 @@ def cmd_export_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lightning_otel.serving import serve_policy
+    from lightning_otel.serve.serving import serve_policy
 
     def ready(url: str) -> None:
         print(f"serving {args.model} at {url} (OpenAI-compatible; any model name). Ctrl-C stops.", flush=True)
@@ -583,6 +583,3 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
