@@ -7,31 +7,17 @@ collector process only moves bytes and writes. With `workers=0` decoding runs in
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import signal
-import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from lightning_otel.lifetime import parent_death_signal
 from lightning_otel.span_store import otlp
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Workers end when the collector ends, even by SIGKILL (Linux parent-death signal)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            log.debug("prctl(PR_SET_PDEATHSIG) unavailable")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the collector, which shuts us down
-
-
 def decode(signal_name: str, encoding: str, body: bytes) -> otlp.Decoded:
     return otlp.DECODERS[(signal_name, encoding)](body)
 
@@ -49,7 +35,7 @@ class DecoderPool:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_die_with_parent)
+                                   initializer=parent_death_signal(signal.SIGTERM, ignore_interrupt=True))
 
     def decode(self, signal_name: str, encoding: str, body: bytes) -> otlp.Decoded:
         """Decode; raises otlp.DecodeFailure for bad input, RuntimeError when a worker died."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from lightning_otel.lifetime import free_port
 from test_retokenize import load_rollouts
 
 # Two rollouts of one task by the plain-SDK agent, rewards 1.0 and 0.0 under sql_form: 6 transitions.
@@ -29,12 +29,6 @@ def store(tmp_path_factory) -> Path:
     db = tmp_path_factory.mktemp("distributed") / "traces.duckdb"
     load_rollouts(db)
     return db
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(launcher: list[str], store: Path, out: Path, where: str = WHERE) -> subprocess.CompletedProcess:

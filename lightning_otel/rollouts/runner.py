@@ -30,7 +30,6 @@ labelled path, and its prompts along it are recorded (the SFT warm start's demon
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ from typing import TYPE_CHECKING, Callable
 
 from lightning_otel.capture.agent_fn import AgentFunction, load_agent_function, parse_agent_function
 from lightning_otel.errors import UserError
+from lightning_otel.lifetime import parent_death_signal
 from lightning_otel.rollouts.rewards import bundled_data_dir, call_reward, database_path, resolve_reward
 from lightning_otel.capture.context import new_rollout_id
 
@@ -296,18 +296,6 @@ def start_agent_worker(agent: AgentFunction, collector_url: str, collector_token
     return AgentWorker(agent, argv, env).start()
 
 
-def _die_with_runner() -> None:
-    """In the child before exec: end when the runner ends, even by SIGKILL (Linux)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-try:
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):
-    _PRCTL = None
-
-
 class Runner:
     def __init__(self, config: RolloutConfig, collector_url: str, collector_token: str | None,
                  write_records: Callable[[str, list[dict]], int], spans_of: Callable[[str], list[dict]],
@@ -428,7 +416,7 @@ class Runner:
         try:
             proc = subprocess.Popen(instrumented(self.instrument, command), env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
-                                    preexec_fn=_die_with_runner)
+                                    preexec_fn=parent_death_signal())
         except OSError as exc:
             status, error_class, stderr = "error", type(exc).__name__, str(exc)
         else:

