@@ -212,3 +212,18 @@ def test_an_allow_list_loads_only_the_named_instrumentations(collector, tmp_path
     assert run_instrumented(script, base).stdout.split() == ["True", "True"]
     only = run_instrumented(script, {**base, "LIGHTNING_OTEL_INSTRUMENTATIONS": "openai"})
     assert only.stdout.split() == ["True", "False"], only.stderr
+
+
+def test_run_keeps_resource_attributes_with_commas_and_equals_intact(make_collector, tmp_path, agent_script):
+    # OTEL_RESOURCE_ATTRIBUTES is a comma-separated key=value list: an unencoded `a,b` became two attributes.
+    make_collector(token="tok")
+    db = tmp_path / "traces.duckdb"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LIGHTNING_OTEL_"))}
+    env["OTEL_RESOURCE_ATTRIBUTES"] = "deployment.environment=test"
+    result = subprocess.run([str(BIN / "lightning-otel"), "run", "--db", str(db), "--rollout-id", "ro=1 %",
+                             "--task-id", "a,b", "--", sys.executable, str(agent_script)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    rows = client.query("SELECT DISTINCT rollout_id, task_id, attr(resource, 'deployment.environment') AS e "
+                        "FROM spans", db).to_dicts()
+    assert rows == [{"rollout_id": "ro=1 %", "task_id": "a,b", "e": "test"}]

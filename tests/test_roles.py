@@ -15,7 +15,8 @@ from google.rpc import status_pb2
 from conftest import health, post
 from lightning_otel.rollouts import rewards
 from lightning_otel.errors import UserError
-from lightning_otel.rollouts.runner import RolloutConfig, Runner, Task, agent_environment, agent_token, run_rollouts
+from lightning_otel.rollouts.environment import agent_environment
+from lightning_otel.rollouts.runner import RolloutConfig, Runner, Task, agent_token, run_rollouts
 from lightning_otel.span_store import client, discovery
 from lightning_otel.span_store.collector import Collector, CollectorConfig, private_config
 from lightning_otel.train import trajectories

@@ -13,7 +13,8 @@ import pytest
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.rollouts.rewards import bundled_data_dir, database_path
-from lightning_otel.rollouts.runner import RolloutConfig, instrumented, load_tasks, resource_attributes, run_rollouts
+from lightning_otel.rollouts.environment import resource_attributes
+from lightning_otel.rollouts.runner import RolloutConfig, instrumented, load_tasks, run_rollouts
 from lightning_otel.span_store import client
 
 # Behaviour keyed on the question, so one script covers every outcome the runner must record.

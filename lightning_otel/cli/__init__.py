@@ -158,7 +158,8 @@ def cmd_tour(args: argparse.Namespace) -> int:
 
 def run_environment(args: argparse.Namespace, base: dict[str, str]) -> dict[str, str]:
     """The environment `lightning-otel run` gives the command: our distro selected explicitly."""
-    env = dict(base)
+    from lightning_otel.rollouts.environment import capture_environment
+
     endpoint, token = args.endpoint, args.token
     if args.db is not None:
         from lightning_otel.span_store.discovery import find_collector
@@ -167,23 +168,8 @@ def run_environment(args: argparse.Namespace, base: dict[str, str]) -> dict[str,
             raise UserError(f"no collector holds {args.db}: start `lightning-otel collect --db {args.db}` first, "
                             f"or give --endpoint")
         endpoint, token = endpoint or info.url, token or info.ingest_token
-    env["OTEL_PYTHON_DISTRO"] = "lightning_otel"
-    env["OTEL_PYTHON_CONFIGURATOR"] = "lightning_otel"
-    if endpoint:
-        env["LIGHTNING_OTEL_ENDPOINT"] = endpoint
-    if token:
-        env["LIGHTNING_OTEL_TOKEN"] = token
-    if args.redact:
-        import json
-        env["LIGHTNING_OTEL_REDACT"] = json.dumps(args.redact)
-    if args.service_name:
-        env["OTEL_SERVICE_NAME"] = args.service_name
-    resource = {"lightning.rollout.id": args.rollout_id, "lightning.task.id": args.task_id,
-                "lightning.attempt": None if args.attempt is None else str(args.attempt)}
-    extra = ",".join(f"{k}={v}" for k, v in resource.items() if v is not None)
-    if extra:
-        env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(filter(None, [env.get("OTEL_RESOURCE_ATTRIBUTES"), extra]))
-    return env
+    return capture_environment(base, endpoint, token, redact=args.redact, service_name=args.service_name,
+                               rollout_id=args.rollout_id, task_id=args.task_id, attempt=args.attempt)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -42,7 +42,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ from typing import TYPE_CHECKING, Callable
 from lightning_otel.capture.agent_fn import AgentFunction, load_agent_function, parse_agent_function
 from lightning_otel.errors import UserError
 from lightning_otel.lifetime import parent_death_signal
+from lightning_otel.rollouts.environment import agent_environment, capture_environment
 from lightning_otel.rollouts.rewards import bundled_data_dir, call_reward, database_path, resolve_reward
 from lightning_otel.capture.context import new_rollout_id
 
@@ -223,12 +223,6 @@ def fill_placeholders(argv: list[str], values: dict[str, str]) -> list[str]:
     return [PLACEHOLDER.sub(lambda m: values[m.group(1)], token) for token in argv]
 
 
-def resource_attributes(existing: str | None, extra: dict[str, str]) -> str:
-    """OTEL_RESOURCE_ATTRIBUTES with ours added (values percent-encoded, as the OTel spec says)."""
-    ours = ",".join(f"{k}={urllib.parse.quote(v, safe='')}" for k, v in extra.items())
-    return ",".join(filter(None, [existing, ours]))
-
-
 def instrumented(instrument: str, argv: list[str]) -> list[str]:
     """The command under opentelemetry-instrument, once: a command that already starts with it (as the README's
     examples do) runs as given, since a second wrapper would load every instrumentation twice, once in the
@@ -236,26 +230,6 @@ def instrumented(instrument: str, argv: list[str]) -> list[str]:
     if Path(argv[0]).name == "opentelemetry-instrument":
         return argv
     return [instrument, *argv]
-
-
-def agent_environment(base_url: str, collector_url: str, collector_token: str | None, api_key: str | None,
-                      model_name: str) -> dict[str, str]:
-    """What every agent process gets (DESIGN §7), less the per-rollout resource attributes. `collector_token` is
-    the collector's ingest token (agent_token()): with it an agent sends spans, and cannot query the store or
-    write records such as its own reward; a token in the runner's own environment is not passed on."""
-    env = dict(os.environ)
-    env.pop("LIGHTNING_OTEL_TOKEN", None)
-    env.update({
-        "OPENAI_BASE_URL": base_url,
-        "OPENAI_API_KEY": api_key or env.get("OPENAI_API_KEY") or "lightning-otel",
-        "LIGHTNING_MODEL": model_name,
-        "LIGHTNING_OTEL_ENDPOINT": collector_url,
-        "OTEL_PYTHON_DISTRO": "lightning_otel",
-        "OTEL_PYTHON_CONFIGURATOR": "lightning_otel",
-    })
-    if collector_token:
-        env["LIGHTNING_OTEL_TOKEN"] = collector_token
-    return env
 
 
 def agent_token(info: CollectorInfo) -> str | None:
@@ -389,9 +363,7 @@ class Runner:
     def _environment(self, rollout_id: str, task: Task, attempt: int) -> dict[str, str]:
         env = agent_environment(self.base_url_for(rollout_id), self.collector_url, self.collector_token,
                                 self.config.api_key, self.config.model_name)
-        env["OTEL_RESOURCE_ATTRIBUTES"] = resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES"), {
-            "lightning.rollout.id": rollout_id, "lightning.task.id": task.task_id, "lightning.attempt": str(attempt)})
-        return env
+        return capture_environment(env, rollout_id=rollout_id, task_id=task.task_id, attempt=attempt)
 
     def _call(self, db_path: str | None, rollout_id: str, task: Task, attempt: int) -> RolloutResult:
         """One rollout as a call of the agent function in the worker (in-process mode)."""
