@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup engine crewai demo test test-floors test-asan clean
+.PHONY: setup engine crewai demo test test-fast test-floors test-asan clean
 
 setup: $(VENV)/.installed
 
@@ -57,6 +57,12 @@ test: setup engine crewai
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) test-floors
 	$(MAKE) test-asan
+
+# The contributors' loop: every test that neither starts the inference engine nor is heavy, in minutes. The
+# engine's Python is a stub that fails, so a test that starts vLLM without the needs_engine mark fails here.
+test-fast: setup
+	LIGHTNING_ENGINE_PYTHON=$(CURDIR)/tests/helpers/no_engine_python \
+		$(PY) -m pytest -q -m "not needs_engine and not heavy" $(PYTEST_ARGS)
 
 # Python and the core dependencies at their floors. The test tools come in the same pip call, so pip picks
 # releases that accept the floors (pytest 9.2 needs packaging>=24); pip check: nothing the project declares is missing.

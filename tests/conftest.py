@@ -38,6 +38,15 @@ from lightning_otel.span_store import discovery  # noqa: E402
 from lightning_otel.span_store.collector import Collector, CollectorConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+# Tests that use these fixtures start the shared vLLM engine; they are marked needs_engine here, the others
+# that start an engine (through the runner, trainer or CLI) carry the mark themselves.
+ENGINE_FIXTURES = {"engine", "tokenizer", "gateway"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.needs_engine)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

@@ -165,6 +165,7 @@ def test_shared_prefix_gives_the_same_logprobs_as_padded_sequences(lora_model):
     assert torch.allclose(padded[mask], shared[mask], atol=2e-4), (padded[mask] - shared[mask]).abs().max()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kl", [0.0, 0.04])
 def test_shared_prefix_step_gives_the_same_loss_and_gradients(lora_model, kl):
     rows = group_rows(2)

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.needs_engine, pytest.mark.heavy]  # it starts its own vLLM engine
+
 
 def test_quick_demo_runs_end_to_end(tmp_path):
     cli = Path(sys.executable).parent / "lightning-otel"

@@ -289,6 +289,7 @@ def test_every_truncation_of_a_small_body():
         assert_same(body[:end])
 
 
+@pytest.mark.heavy
 @fuzz(300)
 @given(trace_requests(), st.data())
 def test_bit_flips(request, data):
