@@ -26,7 +26,7 @@ from one_call_sql import messages  # noqa: E402
 
 from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
 from lightning_otel.serve.model import resolve_model  # noqa: E402
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path  # noqa: E402
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path  # noqa: E402
 
 
 def requests(questions: int, samples: int, max_tokens: int) -> list[dict]:

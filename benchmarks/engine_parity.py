@@ -26,7 +26,7 @@ from learning import HELD_OUT  # noqa: E402
 
 from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
 from lightning_otel.serve.model import resolve_model  # noqa: E402
-from lightning_otel.rollouts.rewards import bundled_data_dir  # noqa: E402
+from lightning_otel.tasks.spider.rewards import bundled_data_dir  # noqa: E402
 
 
 def held_out_rows(data: Path, count: int) -> list[dict]:

@@ -49,8 +49,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PEER = REPO / "benchmarks" / "peers" / "trl_grpo.py"
 MARK = "@@grpo-bench "  # prefix of the protocol lines children print (libraries print to stdout too)
-TASKS = REPO / "lightning_otel" / "data" / "spider" / "dev.jsonl"
-DATABASES = REPO / "lightning_otel" / "data" / "spider" / "database"
+TASKS = REPO / "lightning_otel" / "tasks" / "spider" / "data" / "dev.jsonl"
+DATABASES = REPO / "lightning_otel" / "tasks" / "spider" / "data" / "database"
 # The first call of examples/sql_agent/agent.py.
 WRITE = ("You write SQLite queries. Answer with one SQL query in a ```sql``` block and nothing else.\n"
          "The database has these tables:\n{schema}")

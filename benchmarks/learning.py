@@ -45,11 +45,11 @@ from pathlib import Path
 
 from lightning_otel.serve.engine import ENGINE_DTYPES, EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
-from lightning_otel.eval.metrics import SQL_RAN
+from lightning_otel.tasks.spider.outcomes import SQL_RAN
 from lightning_otel.eval.report import paired_comparison, paired_line
 from lightning_otel.serve.model import resolve_model
 from lightning_otel.serve.policy import resolve_policy
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, spider_exec
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec
 from lightning_otel.span_store import client
 from lightning_otel.serve.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
@@ -332,7 +332,8 @@ def main() -> None:
                 if policy.adapter is None:  # full weights (the base model's or merged): the engine restarts on them
                     engine.load_model(policy.base_model, policy.version)
                 summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=report.parent,
-                                              model=model, max_tokens=args.max_tokens, temperature=0.0,
+                                              reward="spider_exec", model=model, max_tokens=args.max_tokens,
+                                              temperature=0.0,
                                               concurrency=args.concurrency),
                                    engine=engine,
                                    progress=lambda _, count, total: progress(f"eval {label}", count, total)).summary

@@ -40,7 +40,7 @@ from pathlib import Path
 from grpo_knobs import add_knobs, knob_settings
 from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.serve.model import resolve_model
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, extract_sql, sql_outcome
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, extract_sql, sql_outcome
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 
@@ -87,7 +87,7 @@ def settings(args, out: Path) -> dict:
     chosen = pick(DATABASES, args.pool + args.val)
     return dict(tasks=str(write(chosen[:args.pool], out / "pool.jsonl")),
                 val_tasks=str(write(chosen[args.pool:], out / "val.jsonl")) if args.val else "",
-                agent=AGENTS.get(args.agent, args.agent), n=args.n, tasks_per_round=args.pool,
+                agent=AGENTS.get(args.agent, args.agent), task_pack="spider", n=args.n, tasks_per_round=args.pool,
                 rounds=args.rounds, **knob_settings(args))
 
 

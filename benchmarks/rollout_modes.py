@@ -44,7 +44,7 @@ def start_engine(url: str | None):
 
 
 def write_tasks(folder: Path, count: int) -> Path:
-    from lightning_otel.rollouts.rewards import bundled_data_dir
+    from lightning_otel.tasks.spider.rewards import bundled_data_dir
 
     rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines()][:count]
     path = folder / "tasks.jsonl"

@@ -26,7 +26,7 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
-from lightning_otel.rollouts.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
+from lightning_otel.tasks.spider.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
 from spider_repair import name_variants, replace_words, schema_names
 from spider_synth import by_database, read_tables, round_robin
 

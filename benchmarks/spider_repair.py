@@ -25,7 +25,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Callable
 
-from lightning_otel.rollouts.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
+from lightning_otel.tasks.spider.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
 from spider_synth import by_database, read_tables
 
 REPAIR_LABELS = ["```sql\n{wrong_query}\n```", "{review}", "```sql\n{query}\n```", "THE QUERY IS CORRECT"]

@@ -229,7 +229,7 @@ def synthesize(db_path: Path, db_id: str, per_db: int, seed: int = 0) -> list[di
 
 
 def main() -> None:
-    from lightning_otel.rollouts.rewards import bundled_data_dir, database_path
+    from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)

@@ -1,14 +1,16 @@
 """Evaluate a policy with an unchanged agent over a task file, and write a report.
 
     lightning-otel eval --tasks dev.jsonl --agent "python examples/openai_sql/agent.py --question {question} \\
-        --db {db_path}" --model runs/sql-grpo --report reports/grpo --baseline reports/base
+        --db {db_path}" --reward spider_exec --model runs/sql-grpo --report reports/grpo --baseline reports/base
 
     from lightning_otel.eval import EvalConfig, evaluate
-    result = evaluate(EvalConfig(tasks=..., agent=..., model="base", report=Path("reports/base")))
+    result = evaluate(EvalConfig(tasks=..., agent=..., reward="number_match", report=Path("reports/base")))
 
 The policy (lightning_otel.serve.policy: the bundled model, a run's best checkpoint, a LoRA adapter or a model
 folder) is served by vLLM behind the token-recording gateway, a LoRA adapter hot-loaded with
-engine.update_weights. The rollout runner executes the agent n times per task, scored by spider_exec; the
+engine.update_weights. The rollout runner executes the agent n times per task, scored by the reward given
+(any task pack's, or module:function; lightning_otel.rollouts.packs) and classified by the task pack's
+outcome classes; the
 traces go to a DuckDB store (default <report>/traces.duckdb) and every number of the report is a query
 over it (lightning_otel.eval.metrics). An engine already running can be passed in (tests share one).
 """
@@ -23,11 +25,10 @@ from pathlib import Path
 from typing import Callable
 
 from lightning_otel.errors import UserError
-from lightning_otel.eval.metrics import REWARD, compute_metrics
+from lightning_otel.eval.metrics import compute_metrics
 from lightning_otel.eval.plots import write_plots
 from lightning_otel.eval.report import comparison_rows, paired_comparison, read_rounds, read_summary, write_report
 from lightning_otel.serve.policy import Policy, resolve_policy
-from lightning_otel.rollouts.rewards import bundled_data_dir
 from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, check_inputs, load_tasks, run_rollouts
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,13 @@ class EvalConfig:
     tasks: Path
     agent: str
     report: Path
+    reward: str = ""                     # a reward a task pack registers (spider_exec, number_match) or module:function
+    task_pack: str | None = None         # default: the pack that registers `reward`
     model: str = "base"
     n: int = 1
     baseline: Path | None = None
     db: Path | None = None               # default: <report>/traces.duckdb
-    data_dir: Path | None = None         # Spider layout; default: the bundled subset
+    data_dir: Path | None = None         # the task pack's data folder; default: the pack's own
     max_tokens: int | None = None        # cap on each generation, whatever the agent asks
     temperature: float | None = None     # forced on every request (0 = greedy); None: the agent's own
     concurrency: int = 2
@@ -52,10 +55,14 @@ class EvalConfig:
     def __post_init__(self) -> None:
         self.tasks, self.report = Path(self.tasks), Path(self.report)
         self.db = Path(self.db) if self.db else self.report / "traces.duckdb"
-        self.data_dir = Path(self.data_dir) if self.data_dir else bundled_data_dir()
+        self.data_dir = Path(self.data_dir) if self.data_dir else None
         self.baseline = Path(self.baseline) if self.baseline else None
         if not self.tasks.is_file():
             raise UserError(f"--tasks {self.tasks}: no such file; give a JSONL task file (one object per line)")
+        if not str(self.reward).strip():
+            raise UserError("reward is not set: an evaluation scores each rollout with a reward function; set "
+                            "reward to a name a task pack registers (spider_exec, number_match) or to "
+                            "module:function")
         if not str(self.model).strip():
             raise UserError("--model is empty: give 'base', a run folder, a checkpoint, an adapter or a model folder")
         if self.n < 1:
@@ -69,8 +76,8 @@ class EvalConfig:
         if self.baseline is not None and not (self.baseline / "summary.json").is_file():
             raise UserError(f"--baseline {self.baseline}: no summary.json there; give the --report folder of an "
                             f"earlier `lightning-otel eval`")
-        if not self.data_dir.is_dir():
-            raise UserError(f"--data-dir {self.data_dir} is not a folder")
+        if self.data_dir is not None and not self.data_dir.is_dir():
+            raise UserError(f"data_dir {self.data_dir} is not a folder")
 
     def to_dict(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -141,7 +148,8 @@ def evaluate(config: EvalConfig, engine=None,
     """Run the evaluation and write the report; returns the summary (also in <report>/summary.json)."""
     log.info("eval config: %s", config.to_dict())
     rollout_config = RolloutConfig(tasks=config.tasks, agent=config.agent, n=config.n,
-                                   concurrency=config.concurrency, db=config.db, reward=REWARD,
+                                   concurrency=config.concurrency, db=config.db, reward=config.reward,
+                                   task_pack=config.task_pack,
                                    data_dir=config.data_dir, timeout_s=config.timeout_s,
                                    max_tokens=config.max_tokens, temperature=config.temperature)
     tasks = load_tasks(config.tasks)
@@ -157,7 +165,8 @@ def evaluate(config: EvalConfig, engine=None,
     rollout_ids = [r.rollout_id for r in results]
     summary = {"config": config.to_dict(), "policy": policy.to_dict(), "store": str(config.db),
                "tasks": len(tasks), "started": started, "wall_s": time.time() - started,
-               **compute_metrics(config.db, rollout_ids, config.data_dir)}
+               **compute_metrics(config.db, rollout_ids, config.reward, rollout_config.pack,
+                                 rollout_config.data_dir)}
     summary["rounds"] = read_rounds(policy.run_dir)
     if baseline is not None:
         summary["baseline"] = {"path": str(config.baseline), "label": baseline["policy"]["label"],

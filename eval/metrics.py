@@ -4,48 +4,28 @@ llm_calls and generations views (never from the runner's in-memory results).
 Every query is scoped to one evaluation's rollouts (their ids), so a store shared with training rounds
 or other evaluations gives the same numbers.
 
-Execution accuracy is the share of scored rollouts whose `spider_exec` reward is 1 (the final SQL
-returns the gold query's result on the task's database). Rollouts without a reward (a task without a
-gold query) are counted apart, never as wrong. The 95% interval is Wilson's score interval over
-rollouts; with -n > 1 the samples of one task are not independent, so it is then narrower than the
-interval over tasks would be.
+Accuracy is the share of scored rollouts whose reward (the one the evaluation ran, e.g. spider_exec or
+number_match) is 1. Rollouts without a reward (a task with nothing to score against) are counted apart,
+never as wrong. The 95% interval is Wilson's score interval over rollouts; with -n > 1 the samples of one
+task are not independent, so it is then narrower than the interval over tasks would be. When the task pack
+names a group field (Spider: hardness), accuracy is also given per value of that task field.
 
-Failure classes, one per rollout, checked in this order:
-- `unscored`: no spider_exec reward was stored (the task has no gold query or database).
-- `correct`: reward 1.
-- `timeout`: the agent ran past the runner's timeout and was killed.
-- `agent_error`: the agent exited non-zero or could not start.
-- `no_sql`: the final output line is missing, or, once a code fence is removed, does not begin with
-  SELECT or WITH (the model answered in prose).
-- `sql_error`: the final SQL fails on the task's database (syntax, unknown column, time limit).
-- `wrong_result`: the SQL runs but returns other rows than the gold query.
+Outcome classes, one per rollout (TaskPack.outcome): correct, then the task pack's own classes for scored
+answers that are not right (Spider: wrong_result, sql_error, no_sql; math: wrong_number, no_number; a
+reward without a pack: wrong), agent_error, timeout and unscored.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
-import re
-import sqlite3
 from pathlib import Path
 
-from lightning_otel.rollouts.rewards import QueryTimeout, database_path, extract_sql, run_query
+from lightning_otel.rollouts.packs import TaskPack, bare_pack
 from lightning_otel.span_store import client
 
 log = logging.getLogger(__name__)
 
-REWARD = "spider_exec"
-HARDNESS_ORDER = ("easy", "medium", "hard", "extra")
-FAILURE_CLASSES = {  # name -> meaning, in report order
-    "correct": "the final SQL returns the gold result",
-    "wrong_result": "the final SQL runs but returns other rows",
-    "sql_error": "the final SQL fails on the database (error or time limit)",
-    "no_sql": "no final query: empty, prose, or not a SELECT/WITH statement",
-    "agent_error": "the agent exited non-zero or could not start",
-    "timeout": "the agent ran past the rollout timeout",
-    "unscored": "no spider_exec reward (task without gold query)",
-}
-SQL_RAN = ("correct", "wrong_result")  # the classes whose final SQL runs on its database
-SQL_START = re.compile(r"^\s*(SELECT|WITH)\b", re.IGNORECASE)
 Z95 = 1.959963984540054
 
 # One row per rollout of the evaluation: outcome, task fields, reward, LLM calls and gateway token counts.
@@ -65,7 +45,7 @@ WITH requests AS (
 SELECT r.rollout_id, r.task_id, r.attempt, r.policy_version, r.status, r.error_class, r.duration_s,
        r.final_output, coalesce(q.calls, 0) AS llm_calls, coalesce(k.generations, 0) AS generations,
        coalesce(k.prompt_tokens, 0) AS prompt_tokens, coalesce(k.completion_tokens, 0) AS completion_tokens,
-       coalesce(t.fields->>'hardness', 'unknown') AS hardness, t.fields->>'db_id' AS db_id, s.reward
+       {group} AS grp, t.fields AS task_fields, s.reward
 FROM rollouts r
 LEFT JOIN tasks t ON t.task_id = r.task_id
 LEFT JOIN scored s ON s.rollout_id = r.rollout_id
@@ -77,9 +57,9 @@ ORDER BY r.task_id, r.attempt
 
 ACCURACY_SQL = """
 WITH episodes AS ({episodes})
-SELECT coalesce(hardness, 'all') AS hardness, grouping(hardness) AS is_total, count(*) AS rollouts,
+SELECT coalesce(grp, 'all') AS grp, grouping(grp) AS is_total, count(*) AS rollouts,
        count(reward) AS scored, count(*) FILTER (WHERE reward = 1.0) AS correct
-FROM episodes GROUP BY ROLLUP (hardness)
+FROM episodes GROUP BY ROLLUP (grp)
 """
 
 EPISODE_STATS_SQL = """
@@ -112,6 +92,10 @@ FROM generations WHERE rollout_id IN ({ids})
 """
 
 
+EPISODE_KEYS = ("rollout_id", "task_id", "attempt", "policy_version", "status", "reward", "failure_class",
+                "llm_calls", "prompt_tokens", "completion_tokens", "duration_s", "final_output")
+
+
 def id_list(rollout_ids: list[str]) -> str:
     return ", ".join(client.sql_literal(i) for i in sorted(rollout_ids))
 
@@ -136,8 +120,24 @@ def sign_test_p(better: int, worse: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def hardness_key(name: str) -> tuple[int, str]:
-    return (HARDNESS_ORDER.index(name), name) if name in HARDNESS_ORDER else (len(HARDNESS_ORDER), name)
+def group_key(order: list[str] | tuple[str, ...]):
+    """Sort key for group values: the task pack's order first, then the rest by name."""
+    return lambda name: (order.index(name), name) if name in order else (len(order), name)
+
+
+def accuracy_groups(accuracy: dict) -> dict[str, dict]:
+    """Group value -> accuracy entry of a summary's accuracy (summaries written before task packs said
+    by_hardness)."""
+    return accuracy.get("by_group") or accuracy.get("by_hardness") or {}
+
+
+def group_field(accuracy: dict) -> str:
+    return accuracy.get("group_field") or ("hardness" if "by_hardness" in accuracy else "group")
+
+
+def merged_groups(*accuracies: dict) -> list[str]:
+    """The group values of several summaries, in the first one's order, then the others' new ones."""
+    return list(dict.fromkeys(level for acc in accuracies for level in accuracy_groups(acc)))
 
 
 def accuracy_entry(rollouts: int, scored: int, correct: int) -> dict:
@@ -146,66 +146,54 @@ def accuracy_entry(rollouts: int, scored: int, correct: int) -> dict:
             "accuracy": correct / scored if scored else None, "ci95": list(interval) if interval else None}
 
 
-def classify(row: dict, data_dir: Path, timeout_s: float = 10.0) -> str:
-    """The failure class of one rollout row (see the module docstring), re-running its SQL when needed."""
-    if row["reward"] is None:
-        return "unscored"
-    if row["reward"] == 1.0:
-        return "correct"
-    if row["status"] == "timeout":
-        return "timeout"
-    if row["status"] in ("failed", "error"):
-        return "agent_error"
-    sql = extract_sql(row["final_output"])
-    if sql is None or not SQL_START.match(sql):
-        return "no_sql"
-    try:
-        run_query(database_path(data_dir, str(row["db_id"])), sql, timeout_s)
-    except (sqlite3.Error, sqlite3.Warning, QueryTimeout, ValueError):
-        return "sql_error"
-    return "wrong_result"
-
-
 def _percentiles(frame_row: dict, prefix: str) -> dict:
     return {key[len(prefix):]: frame_row[key] for key in frame_row if key.startswith(prefix)}
 
 
-def compute_metrics(db: Path, rollout_ids: list[str], data_dir: Path) -> dict:
-    """Every number of the report, from the store at `db`, over the given rollouts."""
+def compute_metrics(db: Path, rollout_ids: list[str], reward: str, pack: TaskPack | None = None,
+                    data_dir: Path | None = None) -> dict:
+    """Every number of the report, from the store at `db`, over the given rollouts, scored by the stored
+    rewards named `reward` and classified by the task pack (the generic classes without one)."""
+    pack = pack or bare_pack(reward, lambda task, rollout: None)
     ids = id_list(rollout_ids)
-    episodes_sql = EPISODES_SQL.format(reward=REWARD, ids=ids)
+    group = f"coalesce(t.fields->>'{pack.group_field}', 'unknown')" if pack.group_field else "'all'"
+    episodes_sql = EPISODES_SQL.format(reward=client.sql_literal(reward)[1:-1], ids=ids, group=group)
     episodes = client.query(episodes_sql, db).to_dicts()
     if len(episodes) != len(rollout_ids):
         log.warning("the store holds %d of the %d rollouts run", len(episodes), len(rollout_ids))
 
-    by_hardness, overall = {}, None
+    by_group, overall = {}, None
     for row in client.query(ACCURACY_SQL.format(episodes=episodes_sql), db).to_dicts():
         entry = accuracy_entry(row["rollouts"], row["scored"], row["correct"])
         if row["is_total"]:
             overall = entry
-        else:
-            by_hardness[row["hardness"]] = entry
+        elif pack.group_field:
+            by_group[row["grp"]] = entry
     stats = client.query(EPISODE_STATS_SQL.format(episodes=episodes_sql), db).to_dicts()[0]
     histogram = client.query(TRANSITIONS_HISTOGRAM_SQL.format(episodes=episodes_sql), db).to_dicts()
     calls = {row.pop("what"): row for row in client.query(CALL_LATENCY_SQL.format(ids=ids), db).to_dicts()}
 
-    classes = {name: 0 for name in FAILURE_CLASSES}
+    meanings = pack.report_classes()
+    classes = {name: 0 for name in meanings}
     for row in episodes:
-        row["failure_class"] = classify(row, data_dir)
+        task = json.loads(row.pop("task_fields") or "{}")
+        row["failure_class"] = pack.outcome({**task, **row}, data_dir)
         classes[row["failure_class"]] += 1
+    order = list(pack.group_order)
     return {
         "rollouts": stats["rollouts"],
-        "accuracy": {"overall": overall or accuracy_entry(0, 0, 0),
-                     "by_hardness": {k: by_hardness[k] for k in sorted(by_hardness, key=hardness_key)}},
+        "reward": reward,
+        "task_pack": pack.name,
+        "accuracy": {"overall": overall or accuracy_entry(0, 0, 0), "group_field": pack.group_field,
+                     "by_group": {k: by_group[k] for k in sorted(by_group, key=group_key(order))}},
         "transitions_per_episode": {"mean": stats["transitions_mean"], "p50": stats["transitions_p50"],
                                     "max": stats["transitions_max"],
                                     "histogram": {str(r["transitions"]): r["rollouts"] for r in histogram}},
         "tokens_per_episode": {"prompt": stats["prompt_tokens_mean"], "completion": stats["completion_tokens_mean"],
                                "total": stats["tokens_mean"]},
         "failure_classes": classes,
+        "outcome_classes": meanings,
         "latency": {"rollout_s": _percentiles(stats, "rollout_s_"), "llm_call_ms": calls.get("llm_call_ms"),
                     "engine_ms": calls.get("engine_ms")},
-        "episodes": [{k: row[k] for k in ("rollout_id", "task_id", "attempt", "policy_version", "status",
-                                          "hardness", "reward", "failure_class", "llm_calls", "prompt_tokens",
-                                          "completion_tokens", "duration_s", "final_output")} for row in episodes],
+        "episodes": [{**{k: row[k] for k in EPISODE_KEYS}, "group": row["grp"]} for row in episodes],
     }

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_otel.eval.metrics import hardness_key
+from lightning_otel.eval.metrics import accuracy_groups, group_field, merged_groups
 
 
 def _pyplot():
@@ -14,16 +14,16 @@ def _pyplot():
 
 
 def plot_accuracy(summary: dict, baseline: dict | None, path: Path) -> Path:
-    """Accuracy by hardness (and overall) with 95% intervals; the baseline's bars beside when given."""
+    """Accuracy by group (Spider: hardness) and overall with 95% intervals; the baseline's bars beside."""
     plt = _pyplot()
     series = [(summary["policy"]["label"], summary["accuracy"])]
     if baseline is not None:
         series.append((f"baseline: {baseline['policy']['label']}", baseline["accuracy"]))
-    levels = sorted({level for _, acc in series for level in acc["by_hardness"]}, key=hardness_key) + ["all"]
+    levels = merged_groups(*(acc for _, acc in series)) + ["all"]
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (label, acc) in enumerate(series):
-        entries = [acc["overall"] if level == "all" else acc["by_hardness"].get(level, {}) for level in levels]
+        entries = [acc["overall"] if level == "all" else accuracy_groups(acc).get(level, {}) for level in levels]
         values = [100 * (e.get("accuracy") or 0.0) for e in entries]
         errors = [[max(0.0, 100 * ((e.get("accuracy") or 0.0) - e["ci95"][0])) if e.get("ci95") else 0.0
                    for e in entries],
@@ -36,9 +36,9 @@ def plot_accuracy(summary: dict, baseline: dict | None, path: Path) -> Path:
                 ax.annotate(f"{entry['correct']}/{entry['scored']}", (bar.get_x() + bar.get_width() / 2, 1),
                             ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(levels)), levels)
-    ax.set_ylabel("execution accuracy (%)")
+    ax.set_ylabel(f"accuracy (%, {summary.get('reward', 'reward')} = 1)")
     ax.set_ylim(0, 100)
-    ax.set_title("Execution accuracy by Spider hardness (95% Wilson interval)")
+    ax.set_title(f"Accuracy by {group_field(summary['accuracy'])} (95% Wilson interval)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -84,7 +84,7 @@ def plot_rounds(rounds: list[dict], path: Path) -> Path:
 
 def write_plots(summary: dict, baseline: dict | None, report_dir: Path) -> list[str]:
     """All plots that apply; returns their file names (relative to the report folder)."""
-    written = [plot_accuracy(summary, baseline, report_dir / "accuracy_by_hardness.png"),
+    written = [plot_accuracy(summary, baseline, report_dir / "accuracy.png"),
                plot_transitions(summary, report_dir / "transitions_per_episode.png")]
     if summary.get("rounds"):
         written.append(plot_rounds(summary["rounds"], report_dir / "reward_by_round.png"))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterable
 
 from lightning_otel.errors import UserError
-from lightning_otel.eval.metrics import FAILURE_CLASSES, hardness_key, sign_test_p
+from lightning_otel.eval.metrics import accuracy_groups, group_field, merged_groups, sign_test_p
 
 log = logging.getLogger(__name__)
 SUMMARY = "summary.json"
@@ -68,10 +68,9 @@ def comparison_rows(summary: dict, baseline: dict) -> list[dict]:
 
     ours_acc, their_acc = summary["accuracy"], baseline["accuracy"]
     add("accuracy (all)", ours_acc["overall"]["accuracy"], their_acc["overall"]["accuracy"])
-    levels = sorted(set(ours_acc["by_hardness"]) | set(their_acc["by_hardness"]), key=hardness_key)
-    for level in levels:
-        add(f"accuracy ({level})", ours_acc["by_hardness"].get(level, {}).get("accuracy"),
-            their_acc["by_hardness"].get(level, {}).get("accuracy"))
+    for level in merged_groups(ours_acc, their_acc):
+        add(f"accuracy ({level})", accuracy_groups(ours_acc).get(level, {}).get("accuracy"),
+            accuracy_groups(their_acc).get(level, {}).get("accuracy"))
     for key in ("mean", "p50"):
         add(f"transitions per episode ({key})", summary["transitions_per_episode"].get(key),
             baseline.get("transitions_per_episode", {}).get(key))
@@ -84,7 +83,7 @@ def comparison_rows(summary: dict, baseline: dict) -> list[dict]:
                 (baseline.get("latency", {}).get(what) or {}).get(key))
     ours_total = max(summary["rollouts"], 1)
     their_total = max(baseline.get("rollouts", 0), 1)
-    for name in FAILURE_CLASSES:
+    for name in dict.fromkeys([*summary["failure_classes"], *baseline.get("failure_classes", {})]):
         add(f"share {name}", summary["failure_classes"].get(name, 0) / ours_total,
             baseline.get("failure_classes", {}).get(name, 0) / their_total)
     return rows
@@ -129,7 +128,7 @@ def paired_line(paired: dict) -> str:
 
 
 def terminal_summary(summary: dict) -> str:
-    """The evaluation in a few lines for the terminal: accuracy with its interval, overall and by hardness,
+    """The evaluation in a few lines for the terminal: accuracy with its interval, overall and by group,
     episode shape and outcomes, and the comparison with the baseline when there is one."""
     def pct(entry: dict) -> str:
         if entry.get("accuracy") is None:
@@ -139,8 +138,9 @@ def terminal_summary(summary: dict) -> str:
                 f"({entry['correct']}/{entry['scored']})")
 
     acc = summary["accuracy"]
-    lines = [f"policy {summary['policy']['label']}: execution accuracy {pct(acc['overall'])}"]
-    lines += [f"  {level:<8} {pct(entry)}" for level, entry in acc["by_hardness"].items()]
+    lines = [f"policy {summary['policy']['label']}: accuracy {pct(acc['overall'])}"
+             + (f" ({summary['reward']} = 1)" if summary.get("reward") else "")]
+    lines += [f"  {level:<8} {pct(entry)}" for level, entry in accuracy_groups(acc).items()]
     lines.append(f"transitions per episode {summary['transitions_per_episode']['mean'] or 0:.2f}, tokens per "
                  f"episode {summary['tokens_per_episode']['total'] or 0:.0f}; outcomes: "
                  + ", ".join(f"{k}={v}" for k, v in summary["failure_classes"].items() if v))
@@ -185,13 +185,14 @@ def render_markdown(summary: dict) -> str:
              + (f", LoRA adapter `{policy['adapter']}`" if policy["adapter"] else "")
              + f", served as policy version {policy['version']})",
              f"- trace store: `{summary['store']}` (every number below is a query over it)", "",
-             "## Execution accuracy", ""]
+             f"- reward: `{summary.get('reward', '-')}` (task pack `{summary.get('task_pack', '-')}`)", "",
+             "## Accuracy", "", "Share of scored rollouts whose reward is 1.", ""]
     rows = [[level, e["rollouts"], e["scored"], e["correct"], _pct(e["accuracy"]), _ci(e["ci95"])]
-            for level, e in acc["by_hardness"].items()]
+            for level, e in accuracy_groups(acc).items()]
     overall = acc["overall"]
     rows.append(["**all**", overall["rollouts"], overall["scored"], overall["correct"], _pct(overall["accuracy"]),
                  _ci(overall["ci95"])])
-    lines += _table(["hardness", "rollouts", "scored", "correct", "accuracy", "95% interval (Wilson)"], rows)
+    lines += _table([group_field(acc), "rollouts", "scored", "correct", "accuracy", "95% interval (Wilson)"], rows)
     tpe, tok = summary["transitions_per_episode"], summary["tokens_per_episode"]
     lines += ["## Episodes", ""]
     lines += _table(["metric", "value"], [
@@ -203,7 +204,7 @@ def render_markdown(summary: dict) -> str:
     total = max(summary["rollouts"], 1)
     lines += ["## Outcomes", ""]
     lines += _table(["class", "rollouts", "share", "meaning"],
-                    [[name, count, _pct(count / total), FAILURE_CLASSES.get(name, "")]
+                    [[name, count, _pct(count / total), summary.get("outcome_classes", {}).get(name, "")]
                      for name, count in summary["failure_classes"].items()])
     lines += ["## Latency", ""]
     lat = summary["latency"]

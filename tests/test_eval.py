@@ -17,15 +17,18 @@ import pytest
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.eval import EvalConfig, evaluate
-from lightning_otel.eval.metrics import SQL_RAN, classify, sign_test_p, wilson_interval
+from lightning_otel.eval.metrics import sign_test_p, wilson_interval
 from lightning_otel.eval.report import (comparison_rows, paired_comparison, paired_line, read_rounds,
                                         terminal_summary)
 from lightning_otel.serve.model import bundled_model_dir
 from lightning_otel.serve.policy import resolve_policy
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path
+from lightning_otel.tasks.spider import PACK as SPIDER
+from lightning_otel.tasks.spider.outcomes import SQL_RAN
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = f"{sys.executable} {REPO / 'examples' / 'openai_sql' / 'agent.py'} --question {{question}} --db {{db_path}}"
+REWARD = "spider_exec"
 MAX_TOKENS = 48  # below the agent's own 96, so the cap shows in the token records
 
 
@@ -48,7 +51,7 @@ def base_eval(engine, tmp_path_factory):
     """One evaluation of the bundled model over 5 tasks, shared by the tests that read its report."""
     folder = tmp_path_factory.mktemp("eval-base")
     tasks = write_tasks(folder / "tasks.jsonl", spider_tasks(["easy", "easy", "medium", "hard", "extra"]))
-    config = EvalConfig(tasks=tasks, agent=AGENT, report=folder / "report", model="base", n=1,
+    config = EvalConfig(tasks=tasks, agent=AGENT, report=folder / "report", model="base", n=1, reward=REWARD,
                         max_tokens=MAX_TOKENS, timeout_s=240, concurrency=5)
     before = (engine.model_name, engine.policy_version)
     result = evaluate(config, engine=engine)
@@ -95,10 +98,10 @@ def test_report_numbers_match_a_recount_from_the_store(base_eval):
     assert overall["ci95"] == pytest.approx(list(wilson_interval(correct, 5)))
     for level in ("easy", "medium", "hard", "extra"):
         mine = [r for r in rows if r["hardness"] == level]
-        entry = summary["accuracy"]["by_hardness"][level]
+        entry = summary["accuracy"]["by_group"][level]
         assert entry["rollouts"] == len(mine)
         assert entry["correct"] == sum(r["reward"] == 1.0 for r in mine)
-    assert list(summary["accuracy"]["by_hardness"]) == ["easy", "medium", "hard", "extra"]
+    assert list(summary["accuracy"]["by_group"]) == ["easy", "medium", "hard", "extra"]
 
     assert all(1 <= r["chats"] <= 3 for r in rows)  # the agent makes at most three calls
     tpe = summary["transitions_per_episode"]
@@ -141,7 +144,7 @@ def test_report_files(base_eval):
     text = (report / "report.md").read_text()
     overall = result.summary["accuracy"]["overall"]
     assert f"{100 * overall['accuracy']:.1f}%" in text and "| extra |" in text
-    for name in ("accuracy_by_hardness.png", "transitions_per_episode.png"):
+    for name in ("accuracy.png", "transitions_per_episode.png"):
         assert (report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({name})" in text
     assert not (report / "reward_by_round.png").exists()  # not a run folder: no rounds to plot
@@ -190,7 +193,7 @@ def test_eval_of_a_run_serves_its_best_checkpoint_and_compares_with_a_baseline(e
                                                     "last": "checkpoints/round-0002"}, rounds)
     tasks = write_tasks(tmp_path / "tasks.jsonl", spider_tasks(["easy", "medium"]))
     before = (engine.model_name, engine.policy_version)
-    config = EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "report", model=str(run), n=1,
+    config = EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "report", model=str(run), n=1, reward=REWARD,
                         max_tokens=24, baseline=base_config.report, timeout_s=240)
     summary = evaluate(config, engine=engine).summary
     assert (engine.model_name, engine.policy_version) == before  # the shared engine is left as found
@@ -303,7 +306,7 @@ def test_unusable_model_specs_say_what_was_expected(tmp_path, setup, needle):
 def test_unknown_model_name_fails_before_an_engine_starts(tmp_path):
     tasks = write_tasks(tmp_path / "t.jsonl", spider_tasks(["easy"]))
     with pytest.raises(UserError, match="expected 'base' \\(the bundled model\\), a training run folder"):
-        evaluate(EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", model="gpt-4o"))
+        evaluate(EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", reward=REWARD, model="gpt-4o"))
     assert not (tmp_path / "r" / "traces.duckdb").exists()
 
 
@@ -313,23 +316,30 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(UserError, match="has no tasks"):
-        evaluate(EvalConfig(tasks=empty, agent=AGENT, report=tmp_path / "r"))
+        evaluate(EvalConfig(tasks=empty, agent=AGENT, report=tmp_path / "r", reward=REWARD))
     with pytest.raises(UserError, match="--tasks .*nope.jsonl: no such file"):
-        EvalConfig(tasks=tmp_path / "nope.jsonl", agent=AGENT, report=tmp_path / "r")
+        EvalConfig(tasks=tmp_path / "nope.jsonl", agent=AGENT, report=tmp_path / "r", reward=REWARD)
     tasks = write_tasks(tmp_path / "t.jsonl", spider_tasks(["easy"]))
     with pytest.raises(UserError, match="no summary.json"):
-        EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", baseline=tmp_path)
+        EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", reward=REWARD, baseline=tmp_path)
     with pytest.raises(UserError, match="at least 1"):
-        EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", n=0)
+        EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", reward=REWARD, n=0)
     with pytest.raises(UserError, match="agent command not found"):
-        evaluate(EvalConfig(tasks=tasks, agent="no-such-agent {question}", report=tmp_path / "r"))
+        evaluate(EvalConfig(tasks=tasks, agent="no-such-agent {question}", report=tmp_path / "r", reward=REWARD))
 
 
 def test_cli_reports_bad_inputs_without_traceback(tmp_path, capsys):
-    code = main(["eval", "--tasks", str(tmp_path / "nope.jsonl"), "--agent", AGENT, "--report", str(tmp_path)])
+    code = main(["eval", "--tasks", str(tmp_path / "nope.jsonl"), "--agent", AGENT, "--report", str(tmp_path),
+                 "--reward", REWARD])
     assert code == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "Traceback" not in err
+
+
+def test_eval_needs_a_reward_and_names_the_option(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--tasks", str(tmp_path / "t.jsonl"), "--agent", AGENT, "--report", str(tmp_path)])
+    assert exit_info.value.code == 2 and "--reward" in capsys.readouterr().err
 
 
 def test_running_engine_must_serve_the_policy_base(engine, tmp_path):
@@ -338,7 +348,8 @@ def test_running_engine_must_serve_the_policy_base(engine, tmp_path):
     shutil.copy(bundled_model_dir() / "config.json", other / "config.json")
     tasks = write_tasks(tmp_path / "t.jsonl", spider_tasks(["easy"]))
     with pytest.raises(UserError, match="the running engine serves"):
-        evaluate(EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", model=str(other)), engine=engine)
+        evaluate(EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "r", reward=REWARD, model=str(other)),
+                 engine=engine)
 
 
 # ---- pure parts ----------------------------------------------------------------------------------------
@@ -357,9 +368,9 @@ def test_the_accuracy_plot_draws_none_and_all_correct_levels(tmp_path):
     from lightning_otel.eval.metrics import accuracy_entry
     from lightning_otel.eval.plots import plot_accuracy
 
-    accuracy = {"overall": accuracy_entry(13, 13, 3), "by_hardness": {"easy": accuracy_entry(3, 3, 0),
-                                                                     "hard": accuracy_entry(10, 10, 3)}}
-    assert accuracy["by_hardness"]["easy"]["accuracy"] == 0.0
+    accuracy = {"overall": accuracy_entry(13, 13, 3), "by_group": {"easy": accuracy_entry(3, 3, 0),
+                                                                  "hard": accuracy_entry(10, 10, 3)}}
+    assert accuracy["by_group"]["easy"]["accuracy"] == 0.0
     summary = {"policy": {"label": "base"}, "accuracy": accuracy}
     path = plot_accuracy(summary, {"policy": {"label": "other"}, "accuracy": {
         "overall": accuracy_entry(7, 7, 7), "by_hardness": {"easy": accuracy_entry(7, 7, 7)}}}, tmp_path / "a.png")
@@ -372,6 +383,7 @@ def test_failure_classes_from_status_output_and_re_execution():
     def row(**kw) -> dict:
         return {"reward": 0.0, "status": "ok", "final_output": "SELECT Name FROM singer", "db_id": "singer", **kw}
 
+    classify = SPIDER.outcome
     assert classify(row(reward=None), data) == "unscored"
     assert classify(row(reward=1.0, status="failed"), data) == "correct"
     assert classify(row(status="timeout"), data) == "timeout"
@@ -380,12 +392,14 @@ def test_failure_classes_from_status_output_and_re_execution():
     assert classify(row(final_output="There are 6 singers in the table."), data) == "no_sql"
     assert classify(row(final_output="```sql SELECT nope FROM singer```"), data) == "sql_error"
     assert classify(row(final_output="SELECT Name FROM singer"), data) == "wrong_result"
+    assert list(SPIDER.report_classes()) == ["correct", "wrong_result", "sql_error", "no_sql", "agent_error",
+                                             "timeout", "unscored"]
 
 
 def test_comparison_rows_are_value_minus_baseline():
     def summary(acc: float, easy: float | None, calls: float) -> dict:
-        by_hardness = {} if easy is None else {"easy": {"accuracy": easy}}
-        return {"accuracy": {"overall": {"accuracy": acc}, "by_hardness": by_hardness}, "rollouts": 4,
+        by_group = {} if easy is None else {"easy": {"accuracy": easy}}
+        return {"accuracy": {"overall": {"accuracy": acc}, "by_group": by_group}, "rollouts": 4,
                 "transitions_per_episode": {"mean": calls, "p50": 1.0},
                 "tokens_per_episode": {"prompt": 100.0, "completion": 20.0, "total": 120.0},
                 "latency": {"rollout_s": {"p50": 1.0, "p90": 2.0}, "llm_call_ms": {"p50": 5.0, "p90": 9.0}},
@@ -449,8 +463,8 @@ def test_the_terminal_summary_gives_accuracy_with_its_interval_and_the_paired_co
         correct = int(sum(rewards))
         entry = {"rollouts": len(rewards), "scored": len(rewards), "correct": correct,
                  "accuracy": correct / len(rewards), "ci95": list(wilson_interval(correct, len(rewards)))}
-        return {"policy": {"label": label}, "rollouts": len(rewards),
-                "accuracy": {"overall": entry, "by_hardness": {"easy": entry}},
+        return {"policy": {"label": label}, "rollouts": len(rewards), "reward": "spider_exec",
+                "accuracy": {"overall": entry, "by_group": {"easy": entry}},
                 "transitions_per_episode": {"mean": 2.0, "p50": 2.0},
                 "tokens_per_episode": {"prompt": 90.0, "completion": 10.0, "total": 100.0},
                 "latency": {"rollout_s": {}, "llm_call_ms": {}},
@@ -461,7 +475,7 @@ def test_the_terminal_summary_gives_accuracy_with_its_interval_and_the_paired_co
     ours["baseline"] = {"label": "base", "comparison": comparison_rows(ours, theirs),
                         "paired": paired_comparison(ours, theirs)}
     lines = terminal_summary(ours).splitlines()
-    assert lines[0] == "policy run/checkpoints/round-0002: execution accuracy 60.0% [31.3, 83.2] (6/10)"
+    assert lines[0] == "policy run/checkpoints/round-0002: accuracy 60.0% [31.3, 83.2] (6/10) (spider_exec = 1)"
     assert lines[1].split() == ["easy", "60.0%", "[31.3,", "83.2]", "(6/10)"]
     assert lines[2] == "transitions per episode 2.00, tokens per episode 100; outcomes: correct=6, sql_error=4"
     assert lines[3] == "against baseline base: accuracy +60.0 points"

@@ -20,7 +20,7 @@ import pytest
 from lightning_otel.span_store import client
 
 REPO = Path(__file__).resolve().parent.parent
-SPIDER = REPO / "lightning_otel" / "data" / "spider"
+SPIDER = REPO / "lightning_otel" / "tasks" / "spider" / "data"
 DROPPED_ENV = ("OTEL_", "LIGHTNING_OTEL_", "OPENAI_", "CREWAI_", "AUTOGEN_", "TRACELOOP_", "LANGCHAIN_", "LANGSMITH_")
 
 # example -> (bin folder of the environment that has its framework, agent names llm_calls must show:
@@ -156,7 +156,7 @@ def test_agent_functions_run_in_the_worker(name, engine, tmp_path):
     """The same examples as agent functions (`agent.py:run`), several rollouts at once in one worker process:
     every rollout ends ok with its calls joined to token records under its agent, and the registered Spider
     reward scores its final SQL."""
-    from lightning_otel.rollouts.rewards import SHAPED
+    from lightning_otel.tasks.spider.rewards import SHAPED
     from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 
     from test_inprocess import singer_tasks, write_tasks

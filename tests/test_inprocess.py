@@ -17,7 +17,7 @@ from lightning_otel import LLM
 from lightning_otel.capture.agent_fn import parse_agent_function
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
-from lightning_otel.rollouts.rewards import bundled_data_dir
+from lightning_otel.tasks.spider.rewards import bundled_data_dir
 from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
@@ -176,6 +176,7 @@ def test_concurrent_calls_in_one_worker_keep_their_rollouts_apart(engine, db_pat
 
 # ---- failures --------------------------------------------------------------------------------------
 
+@pytest.mark.heavy
 def test_a_raise_a_hang_and_a_dead_worker_are_recorded_and_the_rest_still_runs(db_path, tmp_path):
     order = ["ok-1", "raise-1", "hang-1", "ok-2", "die-1", "ok-3", "none-1"]
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "db_id": "singer", "question": i,
@@ -227,6 +228,7 @@ def _dead(pid: int) -> bool:
         return True
 
 
+@pytest.mark.heavy
 def test_the_worker_dies_with_a_sigkilled_runner(db_path, tmp_path):
     pid_file = tmp_path / "worker.pid"
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": "sleep", "pid_file": str(pid_file)}])

@@ -20,6 +20,7 @@ import pytest
 from lightning_otel.eval.metrics import compute_metrics
 from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
+from lightning_otel.tasks.math import last_number
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "openai_agents_math"
@@ -111,7 +112,9 @@ def test_the_agent_function_runs_in_the_worker_with_one_record_per_request(engin
         check_rollout(db, result.rollout_id, tokenizer)
     # eval counts requests, not spans: the SDK's response span around each chat span does not double them
     served = client.query("SELECT count(*) AS n FROM generations", db)["n"][0]
-    metrics = compute_metrics(db, [r.rollout_id for r in summary.results], tmp_path)
+    metrics = compute_metrics(db, [r.rollout_id for r in summary.results], f"{EXAMPLE / 'reward.py'}:shaped")
+    assert metrics["task_pack"] == f"{EXAMPLE / 'reward.py'}:shaped"  # a reward without a pack: generic classes
+    assert set(metrics["failure_classes"]) == {"correct", "wrong", "agent_error", "timeout", "unscored"}
     assert metrics["transitions_per_episode"]["mean"] == pytest.approx(served / 6)
     assert metrics["latency"]["llm_call_ms"]["calls"] == served
     # benchmarks/math_agent.py reads each problem's outcome per policy version back from the store, by task id
@@ -122,6 +125,32 @@ def test_the_agent_function_runs_in_the_worker_with_one_record_per_request(engin
              for r in summary.results}
     assert math_agent.outcomes(tmp_path, set(right)) == {0: right}
     assert sorted(right) == [f"train-0-000{i}" for i in range(3)]
+
+
+@pytest.mark.heavy
+def test_eval_scores_the_math_agent_with_the_math_pack(engine, tmp_path):
+    """`eval --reward number_match`: the same report as Spider's, with the math pack's outcome classes."""
+    from lightning_otel.eval import EvalConfig, evaluate
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in problems.make("test", 3, 0)))
+    result = evaluate(EvalConfig(tasks=tasks, agent=f"{EXAMPLE / 'agent.py'}:run", reward="number_match",
+                                 report=tmp_path / "report", max_tokens=48, temperature=0.0, concurrency=3,
+                                 timeout_s=240), engine=engine)
+    summary = result.summary
+    assert summary["reward"] == "number_match" and summary["task_pack"] == "math"
+    assert summary["rollouts"] == 3 and summary["accuracy"]["overall"]["scored"] == 3
+    assert summary["accuracy"]["group_field"] is None and summary["accuracy"]["by_group"] == {}
+    assert list(summary["failure_classes"]) == ["correct", "wrong_number", "no_number", "agent_error", "timeout",
+                                                "unscored"]
+    assert sum(summary["failure_classes"].values()) == 3
+    for episode in summary["episodes"]:
+        expected = "correct" if episode["reward"] == 1.0 else (
+            "no_number" if last_number(episode["final_output"]) is None else "wrong_number")
+        assert episode["status"] != "ok" or episode["failure_class"] == expected, episode
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Accuracy" in text and "`number_match` (task pack `math`)" in text and "| wrong_number |" in text
+    assert summary["transitions_per_episode"]["mean"] >= 1
 
 
 @pytest.mark.heavy

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "benchmarks" / "peers"), str(REPO / "benchmarks"), str(REPO / "examples" / "sql_agent")]
 # Imported here, at collection, while examples/sql_agent leads sys.path: plain_sft takes the LangGraph example's
@@ -24,7 +26,7 @@ def bundled_dir() -> Path:
 def test_the_review_prompt_is_the_agents_reviewer_call_on_the_gold_query():
     from transformers import AutoTokenizer
 
-    from lightning_otel.rollouts.rewards import bundled_data_dir, database_path
+    from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
 
     CHECK, Prompts, read_schema = plain_sft.CHECK, plain_sft.Prompts, plain_sft.read_schema
 
@@ -41,6 +43,7 @@ def test_the_review_prompt_is_the_agents_reviewer_call_on_the_gold_query():
     assert "Result:" not in first and "You write SQLite queries" in first
 
 
+@pytest.mark.heavy
 def test_save_writes_a_fine_tuned_model_folder_with_its_chat_template(tmp_path):
     from safetensors.torch import load_file
 

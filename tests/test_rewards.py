@@ -7,8 +7,9 @@ import time
 import pytest
 
 from lightning_otel.errors import UserError
-from lightning_otel.rollouts.rewards import (bundled_data_dir, call_reward, database_path, resolve_reward, results_match,
-                                   spider_exec, spider_shaped)
+from lightning_otel.rollouts.rewards import call_reward, resolve_reward
+from lightning_otel.tasks.spider.rewards import (bundled_data_dir, database_path, results_match, spider_exec,
+                                                 spider_shaped)
 
 SINGER = {"id": "t1", "db_id": "singer"}
 
@@ -150,7 +151,7 @@ def test_a_reward_in_a_file_imports_with_its_folder_on_the_path(tmp_path):
 
 
 def test_number_match_reads_the_last_number_of_the_final_output():
-    from lightning_otel.rollouts.rewards import last_number, number_match
+    from lightning_otel.tasks.math import last_number, number_match
 
     assert [last_number(t) for t in ("It is 1,234.", "-5.5 then 7", "x", "", None, "3,39")] == \
         [1234.0, 7.0, None, None, None, 39.0]

@@ -13,7 +13,7 @@ import pytest
 from google.rpc import status_pb2
 
 from conftest import health, post
-from lightning_otel.rollouts import rewards
+from lightning_otel.rollouts import packs
 from lightning_otel.errors import UserError
 from lightning_otel.rollouts.environment import agent_environment
 from lightning_otel.rollouts.runner import RolloutConfig, Runner, Task, agent_token, run_rollouts
@@ -161,7 +161,7 @@ FORGER = textwrap.dedent("""
 
 
 def test_an_agent_cannot_write_or_overwrite_its_own_reward(tmp_path, monkeypatch):
-    monkeypatch.setitem(rewards.REGISTRY, "gold_only", lambda task, rollout: task.get("gold"))
+    monkeypatch.setitem(packs.BUILTIN, "gold", "train_rewards:GOLD_PACK")  # registers the reward gold_only
     monkeypatch.setenv("LIGHTNING_OTEL_INSTRUMENTATIONS", "openai")  # a faster agent start, same distro
     (tmp_path / "forger.py").write_text(FORGER)
     tasks = tmp_path / "tasks.jsonl"

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
 from lightning_otel.rollouts.environment import resource_attributes
 from lightning_otel.rollouts.runner import RolloutConfig, instrumented, load_tasks, run_rollouts
 from lightning_otel.span_store import client
@@ -67,6 +67,7 @@ def config(agent_script: Path, tasks: Path, db: Path, **kw) -> RolloutConfig:
     return RolloutConfig(**defaults)
 
 
+@pytest.mark.heavy
 def test_every_rollout_is_recorded_and_scored(setup, db_path):
     agent, tasks = setup
     original = hashlib.sha256(database_path(bundled_data_dir(), "singer").read_bytes()).hexdigest()
@@ -94,6 +95,7 @@ def test_every_rollout_is_recorded_and_scored(setup, db_path):
     assert hashlib.sha256(database_path(bundled_data_dir(), "singer").read_bytes()).hexdigest() == original
 
 
+@pytest.mark.heavy
 def test_wrong_answers_score_zero_and_no_gold_means_no_reward(setup, db_path, tmp_path):
     agent, _ = setup
     tasks = tmp_path / "t.jsonl"
@@ -142,6 +144,7 @@ def test_resource_attribute_values_are_percent_encoded():
         "service.name=a,lightning.task.id=x%2Cy%3Dz"
 
 
+@pytest.mark.heavy
 def test_rollout_cli(setup, db_path, capsys):
     import sys
     agent, tasks = setup
@@ -199,6 +202,7 @@ def test_rollouts_through_the_gateway_are_token_exact(engine, db_path, tmp_path)
     assert sorted((g["n"], g["attempts"]) for g in groups) == [(2, 2), (2, 2)]
 
 
+@pytest.mark.heavy
 def test_a_command_already_under_opentelemetry_instrument_is_not_wrapped_twice(tmp_path, db_path):
     # A second wrapper would run the user's own wrapper (a Python program) under the first one's sitecustomize:
     # every instrumentation loaded twice, seconds per rollout. The user's "opentelemetry-instrument" here is a
@@ -263,7 +267,8 @@ def test_scripted_answers_walk_a_multi_turn_agent_along_its_labelled_path(engine
     assert [d["turn"] for d in repaired] == [1, 1] and repaired == demos[1::2]
     # A third call would be refused: a script of one answer stops the agent after its first call.
     one = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}} "
-                                     "--db {db_path}", n=1, db=db_path, timeout_s=120, answers=answers[:1]),
+                                     "--db {db_path}", n=1, db=db_path, timeout_s=120, answers=answers[:1],
+                                     task_pack="spider"),
                        engine=engine)
     assert all("may make 1 model call(s)" in r.stderr_tail for r in one.results)
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from spider_rename import KEYWORDS, SUFFIX, rename_database, renamed_tasks, renaming, with_renamed  # noqa: E402
 from spider_repair import schema_names  # noqa: E402
 
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, run_query, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, run_query, spider_exec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sql_agent"))
 from agent import read_schema  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from spider_repair import REPAIR_LABELS, corrupt, name_variants, repair_tasks, replace_word, schema_names  # noqa: E402
 
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
 
 
 def rows_of(*databases: str) -> list[dict]:

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from spider_synth import (ID_PREFIX, by_database, plural_of, round_robin, singular_of, synthesize,  # noqa: E402
                           words_of)
 
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
 
 
 @pytest.mark.parametrize("name,words,singular,plural", [

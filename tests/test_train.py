@@ -26,7 +26,7 @@ from lightning_otel.train.config import TrainConfig, load_config
 from lightning_otel.train.trainer import Trainer, round_tasks
 
 REPO = Path(__file__).resolve().parent.parent
-SPIDER = REPO / "lightning_otel" / "data" / "spider"
+SPIDER = REPO / "lightning_otel" / "tasks" / "spider" / "data"
 BIN = Path(sys.executable).parent
 # The example as an agent function: its rollouts run in one worker process under opentelemetry-instrument (an
 # agent process start costs seconds here); the warm-start kill test runs it as a command, one process a rollout.
@@ -45,7 +45,7 @@ def spider_tasks(path: Path, count: int, db_id: str = "poker_player") -> Path:
 
 def small_config(tmp_path: Path, **overrides) -> TrainConfig:
     values = dict(tasks=str(spider_tasks(tmp_path / "tasks.jsonl", 4)), agent=AGENT, reward=REWARD, n=4,
-                  tasks_per_round=4, rounds=1, batch_size=8, micro_batch=4, max_tokens=32, lr=1e-4,
+                  task_pack="spider", tasks_per_round=4, rounds=1, batch_size=8, micro_batch=4, max_tokens=32, lr=1e-4,
                   lora_rank=8, output_dir=str(tmp_path / "run"), concurrency=8, agent_timeout_s=300)
     values.update(overrides)
     return TrainConfig(**values)
@@ -321,8 +321,8 @@ def test_a_pool_filter_that_keeps_nothing_says_what_it_measured(engine, tmp_path
 def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
     tasks = spider_tasks(tmp_path / "tasks.jsonl", 4)
     run = tmp_path / "run"
-    command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={AGENT}", f"reward={REWARD}", "n=2",
-               "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4", "max_tokens=16", "lora_rank=8",
+    command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={AGENT}", f"reward={REWARD}",
+               "task_pack=spider", "n=2", "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4", "max_tokens=16", "lora_rank=8",
                f"output_dir={run}", f"engine_url={engine.url}", "seed=3", "concurrency=4"]
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -460,7 +460,8 @@ def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_
 
         def evaluated(model: str, name: str) -> tuple[dict, list[int]]:
             summary = evaluate(EvalConfig(tasks=Path(config.tasks), agent=AGENT, report=tmp_path / name, model=model,
-                                          max_tokens=8, temperature=0.0), engine=engine).summary
+                                          reward=REWARD, task_pack="spider", max_tokens=8, temperature=0.0),
+                               engine=engine).summary
             versions = client.query("SELECT DISTINCT policy_version FROM generations",
                                     tmp_path / name / "traces.duckdb")["policy_version"].to_list()
             return summary, versions
@@ -543,6 +544,7 @@ def test_serve_puts_the_trained_policy_behind_the_gateway_and_records_its_calls(
         thread.join(60)
 
 
+@pytest.mark.heavy
 def test_a_child_process_does_not_reuse_the_parents_rendezvous_port():
     import subprocess
     import sys

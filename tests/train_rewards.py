@@ -1,5 +1,6 @@
-"""A reward for the trainer tests that varies within every group of samples, so GRPO's gradient is not 0:
-half for writing a SELECT at all, half for brevity (fewer words score higher)."""
+"""Rewards for the tests. concise_sql: for the trainer tests, it varies within every group of samples, so
+GRPO's gradient is not 0: half for writing a SELECT at all, half for brevity (fewer words score higher)."""
+from lightning_otel.rollouts.packs import TaskPack
 
 
 def concise_sql(task: dict, rollout: dict) -> float:
@@ -19,3 +20,11 @@ def by_kind(task: dict, rollout: dict) -> float:
     with _lock:
         seen = _calls[task["id"]] = _calls.get(task["id"], 0) + 1
     return float(seen % 2)
+
+
+def gold_only(task: dict, rollout: dict) -> float | None:
+    """The task's own `gold` field, whatever the agent did (None where it has none)."""
+    return task.get("gold")
+
+
+GOLD_PACK = TaskPack(name="gold", rewards={"gold_only": gold_only})

@@ -26,9 +26,11 @@ class TrainConfig:
     model: str = "bundled"            # "bundled" or a local Hugging Face model folder
     tasks: str = ""                   # JSONL task file (one task per line)
     agent: str = ""                   # the agent command, with {placeholders} (see `lightning-otel rollout`)
-    reward: str = "spider_exec"       # reward function (registered name or module:function); stored rewards of
-                                      # this name are used, computed with the function where missing
-    data_dir: str = ""                # Spider-layout data for {db_path} and the reward (default: bundled)
+    reward: str = ""                  # reward function (a name a task pack registers, or module:function); stored
+                                      # rewards of this name are used, computed with the function where missing
+    task_pack: str = ""               # task pack (default: the one that registers `reward`): per-rollout setup such
+                                      # as Spider's {db_path}, outcome classes (lightning_otel.rollouts.packs)
+    data_dir: str = ""                # the task pack's data folder (default: the pack's own bundled data)
     engine_python: str = ""           # the Python that starts vLLM (default: .venv-engine, else this one)
     engine_url: str = ""              # use a vLLM server already running on this machine (started with
                                       # --enable-lora) instead of starting one

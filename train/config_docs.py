@@ -22,9 +22,13 @@ HELP: dict[str, str] = {
     "tasks": "JSONL task file for the rounds, one JSON object per line.",
     "agent": "The agent: a command with `{placeholders}`, or an agent function `module:function` or "
              "`path/to/file.py:function`.",
-    "reward": "Reward function: a registered name (`spider_exec`, `spider_shaped`, `number_match`) or "
-              "`module:function`. Stored rewards of this name are used; missing ones are computed with it.",
-    "data_dir": "Spider-layout data folder for `{db_path}` and the reward (empty: the bundled Spider subset).",
+    "reward": "Reward function, required for rounds: a name a task pack registers (`spider_exec`, `spider_shaped`, "
+              "`number_match`), `module:function` or `path/to/file.py:function`. Stored rewards of this name are "
+              "used; missing ones are computed with it.",
+    "task_pack": "Task pack (empty: the one that registers `reward`): `spider`, `math`, an installed one or "
+                 "`module:ATTRIBUTE`. It gives per-rollout setup such as Spider's `{db_path}` and the outcome "
+                 "classes of reports.",
+    "data_dir": "The task pack's data folder, e.g. Spider's layout for `{db_path}` (empty: the pack's own data).",
     "engine_python": "The Python that starts vLLM (empty: `.venv-engine` when it exists, else this one).",
     "engine_url": "A vLLM server already running on this machine (started with `--enable-lora`) to use "
                   "instead of starting one.",

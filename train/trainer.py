@@ -34,6 +34,7 @@ import torch
 
 from lightning_otel.errors import UserError
 from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
+from lightning_otel.rollouts.packs import pack_for_reward
 from lightning_otel.serve.serving import merge_adapter
 from lightning_otel.train.compile import CompileConfig, compile_transitions
 from lightning_otel.train.config import TrainConfig, render_toml
@@ -126,6 +127,11 @@ class Trainer:
             raise UserError("train config: `tasks` is empty: give a JSONL task file (one task per line)")
         if config.rounds and not config.agent.strip():
             raise UserError("train config: `agent` is empty: give the command that runs your agent")
+        if config.rounds and not config.reward.strip():
+            raise UserError("train config: `reward` is not set: rounds score each rollout with a reward function; "
+                            "set reward to a name a task pack registers (spider_exec, number_match), to "
+                            "module:function or to path/to/file.py:function")
+        self.pack = pack_for_reward(config.reward or None, config.task_pack or None)
         if config.sft_tasks:
             from lightning_otel.train.sft import check_labels
 
@@ -208,7 +214,7 @@ class Trainer:
         c = self.config
         progress = progress or (lambda done, total: self.progress(label, done, total))
         config = RolloutConfig(tasks=tasks_file, agent=c.agent, n=n, concurrency=c.concurrency, db=self.db,
-                               reward=c.reward if reward else None,
+                               reward=c.reward if reward else None, task_pack=self.pack,
                                data_dir=Path(c.data_dir) if c.data_dir else None,
                                timeout_s=c.agent_timeout_s, max_tokens=max_tokens, temperature=temperature,
                                work_dir=self.folder.path / "work", max_calls=max_calls, answers=answers)

@@ -42,7 +42,7 @@ from spider_synth import ID_PREFIX  # noqa: E402
 from lightning_otel.serve.engine import default_engine_python  # noqa: E402
 from lightning_otel.eval.metrics import wilson_interval  # noqa: E402
 from lightning_otel.serve.model import resolve_model  # noqa: E402
-from lightning_otel.rollouts.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
 
 
 REVIEW_LABEL = DEMONSTRATIONS["sql_agent"][1]  # the reviewer's answer on a gold query

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from lightning_otel.rollouts.rewards import NUMBER, last_number, number_match
+from lightning_otel.tasks.math import NUMBER, last_number, number_match
 
 
 def _attributes(span: dict) -> dict:

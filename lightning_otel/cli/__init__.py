@@ -23,6 +23,17 @@ def _add_db(parser: argparse.ArgumentParser) -> None:
                         help=f"DuckDB trace store file (default: {DEFAULT_DB})")
 
 
+def _add_task_pack(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--reward", required=required,
+                        help="reward function: a name a task pack registers (spider_exec, spider_shaped, "
+                             "number_match), module:function or path/to/file.py:function")
+    parser.add_argument("--task-pack", metavar="NAME",
+                        help="task pack (spider, math, an installed one, or module:ATTRIBUTE; default: the pack "
+                             "that registers --reward): per-rollout setup such as {db_path}, outcome classes")
+    parser.add_argument("--data-dir", type=Path, help="the task pack's data folder, e.g. Spider's layout for "
+                                                      "{db_path} (default: the pack's own bundled data)")
+
+
 def cmd_collect(args: argparse.Namespace) -> int:
     from lightning_otel.span_store.collector import CollectorConfig, run_collector
 
@@ -195,7 +206,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
     config = RolloutConfig(tasks=args.tasks, agent=args.agent, n=args.n, concurrency=args.concurrency, db=args.db,
                            base_url=args.base_url, api_key=args.api_key, model=args.model,
-                           model_name=args.model_name, reward=args.reward,
+                           model_name=args.model_name, reward=args.reward, task_pack=args.task_pack,
                            data_dir=args.data_dir, timeout_s=args.timeout)
     summary = run_rollouts(config, progress=Progress("rollouts").update)
     print(f"{len(summary.results)} rollouts: {summary.count('ok')} ok, {summary.count('failed')} failed, "
@@ -313,6 +324,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from lightning_otel.eval.report import terminal_summary
 
     config = EvalConfig(tasks=args.tasks, agent=args.agent, report=args.report, model=args.model, n=args.n,
+                        reward=args.reward, task_pack=args.task_pack,
                         baseline=args.baseline, db=args.db, data_dir=args.data_dir, max_tokens=args.max_tokens,
                         concurrency=args.concurrency, timeout_s=args.timeout, temperature=args.temperature)
     print("eval config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()), file=sys.stderr)
@@ -449,8 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")
     p.add_argument("--model-name", default="policy", help="model name for {model} and LIGHTNING_MODEL "
                                                           "(the gateway serves the policy under any name)")
-    p.add_argument("--reward", help="reward function: a registered name (spider_exec) or module:function")
-    p.add_argument("--data-dir", type=Path, help="Spider-layout data folder for {db_path} (default: bundled)")
+    _add_task_pack(p, required=False)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")
     p.set_defaults(func=cmd_rollout)
 
@@ -484,10 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a policy with an agent over a task file and write a report",
                        description="Run the agent over the tasks (-n samples each) with the policy served "
-                                   "through vLLM and the gateway, score with spider_exec, and report execution "
-                                   "accuracy by Spider hardness, transitions and tokens per episode, failure "
-                                   "classes and latency, all computed from the trace store.")
-    p.add_argument("--tasks", type=Path, required=True, help="JSONL task file (Spider rows: question, db_id, query)")
+                                   "through vLLM and the gateway, score with --reward, and report accuracy (by "
+                                   "the task pack's group field, e.g. Spider's hardness), transitions and tokens "
+                                   "per episode, outcome classes and latency, all computed from the trace store.")
+    p.add_argument("--tasks", type=Path, required=True, help="JSONL task file, one task object per line")
     p.add_argument("--agent", required=True,
                    help='command template, e.g. "python agent.py --question {question} --db {db_path}"')
     p.add_argument("--model", default="base",
@@ -498,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for report.md, summary.json and the plots")
     p.add_argument("--baseline", type=Path, metavar="DIR", help="another eval's --report folder to compare with")
     p.add_argument("--db", type=Path, help="DuckDB trace store (default: DIR/traces.duckdb)")
-    p.add_argument("--data-dir", type=Path, help="Spider-layout data folder for {db_path} (default: bundled)")
+    _add_task_pack(p, required=True)
     p.add_argument("--max-tokens", type=int, help="cap on the tokens of each generation (default: the agent's)")
     p.add_argument("--temperature", type=float,
                    help="sampling temperature forced on every request, 0 = greedy (default: the agent's own)")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Callable
 
 from lightning_otel.capture.distro import ONLY_ENV
 from lightning_otel.errors import UserError
-from lightning_otel.rollouts.rewards import bundled_data_dir
+from lightning_otel.tasks.spider.rewards import bundled_data_dir
 
 log = logging.getLogger(__name__)
 HELD_OUT = ("singer", "poker_player")  # evaluation databases: never trained on
@@ -43,7 +42,7 @@ SQL_LABEL = "```sql\n{query}\n```"  # the answer format the example agent asks f
 class DemoConfig:
     folder: Path = Path("lightning-otel-demo")
     quick: bool = False
-    agent: str | None = None          # default: examples/openai_sql/agent.py under opentelemetry-instrument
+    agent: str | None = None          # default: the plain-OpenAI example agent, as an agent function
     eval_tasks: int = 24
     sft_tasks: int = 128
     sft_epochs: int = 2
@@ -63,15 +62,9 @@ class DemoConfig:
                 raise UserError(f"demo: {name} must be at least 1")
 
 
-def example_agent() -> str:
-    """The plain-OpenAI example agent, run under this environment's opentelemetry-instrument."""
-    script = Path(__file__).resolve().parent.parent / "examples" / "openai_sql" / "agent.py"
-    if not script.is_file():
-        raise UserError("the demo runs examples/openai_sql/agent.py from a clone of the repository; from an "
-                        "installed package, give --agent 'python your_agent.py --question {question} --db {db_path}'")
-    bin_dir = Path(sys.executable).parent
-    return (f"{bin_dir / 'opentelemetry-instrument'} {sys.executable} {script} "
-            "--question {question} --db {db_path}")
+# examples/openai_sql/agent.py, installed inside the Spider task pack (pyproject.toml): run(task, llm) is called
+# in one worker process, so the demo runs from an installed wheel as from a clone.
+EXAMPLE_AGENT = "lightning_otel.tasks.spider.example_agent.agent:run"
 
 
 def split_tasks(config: DemoConfig, folder: Path) -> dict[str, Path]:
@@ -113,7 +106,7 @@ def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | Non
     folder = config.folder / time.strftime("run-%Y%m%d-%H%M%S")
     folder.mkdir(parents=True)
     tasks = split_tasks(config, folder)
-    agent = config.agent or example_agent()
+    agent = config.agent or EXAMPLE_AGENT
     if config.agent is None:
         # The example agent is on the plain SDK: load only the openai instrumentation (the stock loader would
         # import LangChain and every other installed framework into each agent process: seconds per rollout).
@@ -138,6 +131,7 @@ def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | Non
             began = time.perf_counter()
             result = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=folder / f"report-{label}",
                                          model=model, baseline=baseline, max_tokens=config.max_tokens,
+                                         reward="spider_exec",
                                          temperature=0.0),
                               engine=engine, progress=lambda r, done, total: progress(f"eval {label}", done, total))
             timings[f"eval_{label}"] = time.perf_counter() - began
@@ -177,16 +171,17 @@ class _EnvDefault:
 def comparison_table(before: dict, after: dict) -> str:
     """Before/after in a few lines for the terminal, and the two compared question by question (the after
     evaluation's paired comparison with its baseline, the before one)."""
+    from lightning_otel.eval.metrics import accuracy_groups, merged_groups
     from lightning_otel.eval.report import paired_line
 
     def accuracy(summary: dict, key: str | None = None) -> str:
-        entry = summary["accuracy"]["overall"] if key is None else summary["accuracy"]["by_hardness"].get(key)
+        entry = summary["accuracy"]["overall"] if key is None else accuracy_groups(summary["accuracy"]).get(key)
         if not entry or entry.get("accuracy") is None:
             return "-"
         return f"{100 * entry['accuracy']:.1f}% ({entry['correct']}/{entry['scored']})"
 
     rows = [("execution accuracy", accuracy(before), accuracy(after))]
-    for level in sorted(set(before["accuracy"]["by_hardness"]) | set(after["accuracy"]["by_hardness"])):
+    for level in merged_groups(before["accuracy"], after["accuracy"]):
         rows.append((f"  {level}", accuracy(before, level), accuracy(after, level)))
     tpe = [s["transitions_per_episode"]["mean"] for s in (before, after)]
     rows.append(("transitions per episode", *[f"{v:.2f}" if v is not None else "-" for v in tpe]))

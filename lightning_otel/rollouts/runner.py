@@ -9,16 +9,17 @@ behind the token-recording gateway, and points each agent at its own gateway pre
 Each rollout is a subprocess under `opentelemetry-instrument` with our distro, given (DESIGN §7):
 OPENAI_BASE_URL, OPENAI_API_KEY, OTEL_RESOURCE_ATTRIBUTES (lightning.rollout.id, lightning.task.id,
 lightning.attempt), LIGHTNING_MODEL and the collector's address. Placeholders in the command are task
-fields, {model}, {rollout_id}, {attempt}, {task_id} and {db_path}: a fresh copy of the task's Spider
-database, so model-written SQL cannot damage shared files. Every rollout ends as a `rollout_runs` row
+fields, {model}, {rollout_id}, {attempt}, {task_id}, and what the task pack prepares for each rollout (the
+spider pack's {db_path}: a fresh copy of the task's database, so model-written SQL cannot damage shared
+files; lightning_otel.rollouts.packs). Every rollout ends as a `rollout_runs` row
 (ok, failed, timeout or error) with its exit code, output tails and final output line; the reward
 function, if any, then scores it into `rewards`. Problems with the inputs are reported before any
 rollout starts.
 
 Agent functions (`agent="module:function"` or `"path/to/file.py:function"`, no spaces; anything else is a
 command): each rollout is a call `fn(task, llm)` in ONE long-lived worker process under
-opentelemetry-instrument, many at a time (lightning_otel.rollouts.inprocess, lightning_otel.capture.agent_worker), instead of
-a process per rollout. `task` is the task's fields plus `db_path` (the same fresh copy {db_path} gives);
+opentelemetry-instrument, many at a time (lightning_otel.rollouts.inprocess, lightning_otel.capture.agent_worker),
+instead of a process per rollout. `task` is the task's fields plus what the task pack prepared ({db_path});
 `llm` (lightning_otel.LLM) carries the rollout's gateway URL, API key, model name and ids. The call runs
 inside lightning_otel.rollout(), so its spans carry the rollout's ids as span attributes, where a
 subprocess's carry them as resource attributes; the store, the rows and the rewards are the same.
@@ -51,7 +52,8 @@ from lightning_otel.capture.agent_fn import AgentFunction, load_agent_function, 
 from lightning_otel.errors import UserError
 from lightning_otel.lifetime import parent_death_signal
 from lightning_otel.rollouts.environment import agent_environment, capture_environment
-from lightning_otel.rollouts.rewards import bundled_data_dir, call_reward, database_path, resolve_reward
+from lightning_otel.rollouts.packs import TaskPack, load_pack, pack_for_reward, pack_names
+from lightning_otel.rollouts.rewards import call_reward, resolve_reward
 from lightning_otel.capture.context import new_rollout_id
 
 if TYPE_CHECKING:
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-RUNNER_NAMES = {"model", "rollout_id", "attempt", "task_id", "db_path"}
+RUNNER_NAMES = {"model", "rollout_id", "attempt", "task_id"}
 TAIL_CHARS = 4000
 
 
@@ -76,7 +78,8 @@ class RolloutConfig:
     model: str | None = None
     model_name: str = "policy"
     reward: str | None = None
-    data_dir: Path | None = None
+    task_pack: str | TaskPack | None = None  # default: the pack that registers `reward` (rollouts.packs)
+    data_dir: Path | None = None  # the task pack's data folder (default: the pack's own)
     timeout_s: float = 300.0
     work_dir: Path | None = None
     max_tokens: int | None = None  # cap on every generation through the gateway
@@ -86,7 +89,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         self.tasks, self.db = Path(self.tasks), Path(self.db)
-        self.data_dir = Path(self.data_dir) if self.data_dir else bundled_data_dir()
+        self.pack: TaskPack | None = self.task_pack if isinstance(self.task_pack, TaskPack) \
+            else pack_for_reward(self.reward, self.task_pack)
+        self.data_dir = Path(self.data_dir) if self.data_dir else (self.pack.default_data_dir() if self.pack else None)
         if self.n < 1:
             raise UserError(f"-n {self.n}: the number of samples per task must be at least 1")
         if self.concurrency < 1:
@@ -186,20 +191,28 @@ def check_inputs(config: RolloutConfig, tasks: list[Task], imported: bool = Fals
     if shutil.which(argv[0]) is None and not Path(argv[0]).exists():
         raise UserError(f"agent command not found: {argv[0]!r}")
     names = {name for token in argv for name in PLACEHOLDER.findall(token)}
+    given = set(config.pack.placeholders) if config.pack else set()
     for task in tasks:
-        missing = sorted(n for n in names - RUNNER_NAMES if n not in task.fields)
+        missing = sorted(n for n in names - RUNNER_NAMES - given if n not in task.fields)
         if missing:
             raise UserError(f"{config.tasks}:{task.line}: task {task.task_id!r} has no field(s) {missing} "
-                            f"used by --agent; fields: {sorted(task.fields)}")
-        if "db_path" in names:
-            db_id = task.fields.get("db_id")
-            if not db_id:
-                raise UserError(f"{config.tasks}:{task.line}: {{db_path}} needs a db_id field")
-            source = database_path(config.data_dir, str(db_id))
-            if not source.is_file():
-                raise UserError(f"{config.tasks}:{task.line}: database {source} does not exist; check --data-dir")
+                            f"used by --agent; fields: {sorted(task.fields)}{pack_hint(missing)}")
+        if names & given and config.pack.check is not None:  # type: ignore[union-attr]
+            problem = config.pack.check(task.fields, config.data_dir)  # type: ignore[union-attr]
+            if problem:
+                raise UserError(f"{config.tasks}:{task.line}: {problem}")
         check_templates(config.answers or (), task)
     return argv
+
+
+def pack_hint(missing: list[str]) -> str:
+    """Which task pack gives a placeholder a task lacks ({db_path}: the spider pack), if one does."""
+    for name in pack_names():
+        given = [m for m in missing if m in load_pack(name).placeholders]
+        if given:
+            return (f"; {{{given[0]}}} is given by the {name!r} task pack: choose it with --task-pack {name} "
+                    f"(or a reward it registers)")
+    return ""
 
 
 def check_templates(templates, task: Task, what: str = "answer") -> None:
@@ -338,16 +351,15 @@ class Runner:
         folder.mkdir()
         values = {str(k): str(v) for k, v in task.fields.items()}
         values.update(model=self.config.model_name, rollout_id=rollout_id, attempt=str(attempt), task_id=task.task_id)
-        if "db_id" in task.fields:
-            source = database_path(self.config.data_dir, str(task.fields["db_id"]))
-            if source.is_file():
-                values["db_path"] = str(shutil.copy(source, folder / source.name))
+        prepared = self.config.pack.setup(task.fields, folder, self.config.data_dir) \
+            if self.config.pack and self.config.pack.setup else {}
+        values.update(prepared)
         scripted = self.config.answers is not None
         if scripted:
             self.script(rollout_id, [format_answer(a, task) for a in self.config.answers])
         try:
             if isinstance(argv, AgentFunction):
-                result = self._call(values.get("db_path"), rollout_id, task, attempt)
+                result = self._call(prepared, rollout_id, task, attempt)
             else:
                 result = self._execute(fill_placeholders(argv, values), self._environment(rollout_id, task, attempt),
                                        rollout_id, task, attempt)
@@ -365,9 +377,10 @@ class Runner:
                                 self.config.api_key, self.config.model_name)
         return capture_environment(env, rollout_id=rollout_id, task_id=task.task_id, attempt=attempt)
 
-    def _call(self, db_path: str | None, rollout_id: str, task: Task, attempt: int) -> RolloutResult:
-        """One rollout as a call of the agent function in the worker (in-process mode)."""
-        fields = dict(task.fields) if db_path is None else {**task.fields, "db_path": db_path}
+    def _call(self, prepared: dict[str, str], rollout_id: str, task: Task, attempt: int) -> RolloutResult:
+        """One rollout as a call of the agent function in the worker (in-process mode); `task` is the task's
+        fields plus what the task pack prepared for this rollout ({db_path})."""
+        fields = {**task.fields, **prepared}
         env = self.worker.env  # type: ignore[union-attr]
         llm = {"base_url": self.base_url_for(rollout_id), "api_key": env["OPENAI_API_KEY"],
                "model": self.config.model_name, "rollout_id": rollout_id, "task_id": task.task_id, "attempt": attempt}
@@ -407,7 +420,8 @@ class Runner:
                              stdout[-TAIL_CHARS:], stderr[-TAIL_CHARS:], shlex.join(command))
 
     def _score(self, result: RolloutResult, task: Task) -> float | None:
-        rollout = {**asdict(result), "spans": self.spans_of(result.rollout_id), "data_dir": str(self.config.data_dir)}
+        data_dir = str(self.config.data_dir) if self.config.data_dir else None
+        rollout = {**asdict(result), "spans": self.spans_of(result.rollout_id), "data_dir": data_dir}
         try:
             value = call_reward(self.reward_fn, task.fields, rollout)
         except UserError:

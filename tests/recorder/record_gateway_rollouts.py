@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.serve.model import bundled_model_dir
-from lightning_otel.rollouts.rewards import bundled_data_dir
+from lightning_otel.tasks.spider.rewards import bundled_data_dir
 from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
