@@ -20,6 +20,7 @@ decodes about twice as fast without LoRA).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -29,9 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from lightning_otel.capture.distro import ONLY_ENV
+from lightning_otel.cli.render import StepProgress
 from lightning_otel.errors import UserError
-from lightning_otel.tasks.spider.rewards import bundled_data_dir
 
 log = logging.getLogger(__name__)
 HELD_OUT = ("singer", "poker_player")  # evaluation databases: never trained on
@@ -71,6 +71,8 @@ def split_tasks(config: DemoConfig, folder: Path) -> dict[str, Path]:
     """Held-out evaluation questions (spread over hardness levels), then GRPO and SFT questions from the other
     databases; written as task files in the run folder. GRPO gets easy questions first: a group of samples
     teaches only when some of them succeed, which the small model manages on easy questions."""
+    from lightning_otel.tasks.spider.rewards import bundled_data_dir
+
     rows = [json.loads(line) for line in (bundled_data_dir() / "dev.jsonl").read_text().splitlines() if line.strip()]
     held = [r for r in rows if r["db_id"] in HELD_OUT]
     train = [r for r in rows if r["db_id"] not in HELD_OUT]
@@ -96,6 +98,7 @@ def split_tasks(config: DemoConfig, folder: Path) -> dict[str, Path]:
 
 def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Returns {"folder", "before", "after", "run"}: the two eval summaries and the run's state."""
+    from lightning_otel.capture.distro import ONLY_ENV
     from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
     from lightning_otel.eval import EvalConfig, evaluate
     from lightning_otel.serve.model import resolve_model
@@ -192,3 +195,31 @@ def comparison_table(before: dict, after: dict) -> str:
     lines += [f"{name:<{width}}  {b:>18}  {a:>18}" for name, b, a in rows]
     lines += [paired_line(after["baseline"]["paired"])]
     return "\n".join(lines)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    config = DemoConfig(folder=args.folder, quick=args.quick, agent=args.agent)
+    logging.getLogger("lightning_otel.train.metrics").setLevel(logging.INFO)
+    print(f"lightning-otel demo{' --quick' if config.quick else ''}: baseline eval on {config.eval_tasks} held-out "
+          f"Spider questions, SFT warm start on {config.sft_tasks}, {config.rounds} GRPO round(s) of "
+          f"{config.tasks_per_round} tasks x {config.n} samples, eval again", flush=True)
+    result = run_demo(config, StepProgress())
+    print()
+    print(comparison_table(result["before"], result["after"]))
+    folder = result["folder"]
+    print(f"\nreport: {folder / 'report-after' / 'report.md'} (baseline: {folder / 'report-before'})")
+    print(f"trained run: {folder / 'run'} (metrics.jsonl, reward_curve.png, tensorboard/)")
+    print(f"traces: lightning-otel sql \"SELECT * FROM rollouts\" --db {folder / 'run' / 'traces.duckdb'}")
+    print(f"serve it: lightning-otel serve {folder / 'run'}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="the main job on embedded defaults: eval, SFT + GRPO training, eval again",
+                       description="Train the plain-OpenAI SQL example agent on bundled Spider data with the "
+                                   "bundled model: baseline eval, SFT warm start, GRPO rounds, eval, report.")
+    p.add_argument("--folder", type=Path, default=Path("lightning-otel-demo"),
+                   help="where the demo writes a fresh run-<time> folder (default: ./lightning-otel-demo)")
+    p.add_argument("--quick", action="store_true", help="a few minutes: 2 tasks x 2 samples, short generations")
+    p.add_argument("--agent", help="another agent command with {question} and {db_path} placeholders")
+    p.set_defaults(func=cmd_demo)

@@ -1,0 +1,50 @@
+"""`lightning-otel eval`: a policy with an unchanged agent over a task file, and a report."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_otel.cli.options import add_task_pack
+from lightning_otel.cli.render import Progress
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lightning_otel.eval import EvalConfig, evaluate
+    from lightning_otel.eval.report import terminal_summary
+
+    config = EvalConfig(tasks=args.tasks, agent=args.agent, report=args.report, model=args.model, n=args.n,
+                        reward=args.reward, task_pack=args.task_pack,
+                        baseline=args.baseline, db=args.db, data_dir=args.data_dir, max_tokens=args.max_tokens,
+                        concurrency=args.concurrency, timeout_s=args.timeout, temperature=args.temperature)
+    print("eval config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()), file=sys.stderr)
+    summary = evaluate(config, progress=Progress("eval").update).summary
+    print(terminal_summary(summary))
+    print(f"report: {args.report / 'report.md'} (summary.json, plots; traces in {config.db})")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a policy with an agent over a task file and write a report",
+                       description="Run the agent over the tasks (-n samples each) with the policy served "
+                                   "through vLLM and the gateway, score with --reward, and report accuracy (by "
+                                   "the task pack's group field, e.g. Spider's hardness), transitions and tokens "
+                                   "per episode, outcome classes and latency, all computed from the trace store.")
+    p.add_argument("--tasks", type=Path, required=True, help="JSONL task file, one task object per line")
+    p.add_argument("--agent", required=True,
+                   help='command template, e.g. "python agent.py --question {question} --db {db_path}"')
+    p.add_argument("--model", default="base",
+                   help="base (the bundled model), a training run folder (its best checkpoint), a checkpoint, a "
+                        "LoRA adapter folder or a model folder (default: base)")
+    p.add_argument("-n", type=int, default=1, help="samples per task (default: 1)")
+    p.add_argument("--report", type=Path, required=True, metavar="DIR",
+                   help="folder for report.md, summary.json and the plots")
+    p.add_argument("--baseline", type=Path, metavar="DIR", help="another eval's --report folder to compare with")
+    p.add_argument("--db", type=Path, help="DuckDB trace store (default: DIR/traces.duckdb)")
+    add_task_pack(p, required=True)
+    p.add_argument("--max-tokens", type=int, help="cap on the tokens of each generation (default: the agent's)")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature forced on every request, 0 = greedy (default: the agent's own)")
+    p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")
+    p.set_defaults(func=cmd_eval)

@@ -1,0 +1,41 @@
+"""Using a trained policy: export-policy (an adapter or a merged model folder) and serve (behind the gateway)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def cmd_export_policy(args: argparse.Namespace) -> int:
+    from lightning_otel.serve.serving import export_policy
+
+    out = export_policy(args.model, args.out, merge=args.merge)
+    kind = "merged model folder" if args.merge else "policy"
+    print(f"{kind} written to {out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lightning_otel.serve.serving import serve_policy
+
+    def ready(url: str) -> None:
+        print(f"serving {args.model} at {url} (OpenAI-compatible; any model name). Ctrl-C stops.", flush=True)
+        print(f"  OPENAI_BASE_URL={url} OPENAI_API_KEY=any python your_agent.py", flush=True)
+
+    serve_policy(args.model, port=args.port, db=args.db, ready=ready)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export-policy", help="write a trained policy as a LoRA adapter or a merged model folder")
+    p.add_argument("model", help="a training run folder (its best checkpoint), a checkpoint or an adapter folder")
+    p.add_argument("--out", type=Path, required=True, help="new folder to write")
+    p.add_argument("--merge", action="store_true", help="merge the adapter into the base model's weights")
+    p.set_defaults(func=cmd_export_policy)
+
+    p = sub.add_parser("serve", help="serve a trained policy behind the OpenAI-compatible gateway",
+                       description="Start vLLM on the policy's base model with its adapter and the gateway in "
+                                   "front; with --db every call is recorded in that trace store.")
+    p.add_argument("model", help="base, a training run folder, a checkpoint, an adapter or a model folder")
+    p.add_argument("--port", type=int, default=8000, help="gateway port on 127.0.0.1 (default: 8000)")
+    p.add_argument("--db", type=Path, help="record the served calls in this trace store")
+    p.set_defaults(func=cmd_serve)

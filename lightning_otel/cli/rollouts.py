@@ -1,0 +1,52 @@
+"""`lightning-otel rollout`: an unchanged agent over a task file, n samples per task, into the store."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lightning_otel.cli.options import add_db, add_task_pack
+from lightning_otel.cli.render import Progress
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
+
+    config = RolloutConfig(tasks=args.tasks, agent=args.agent, n=args.n, concurrency=args.concurrency, db=args.db,
+                           base_url=args.base_url, api_key=args.api_key, model=args.model,
+                           model_name=args.model_name, reward=args.reward, task_pack=args.task_pack,
+                           data_dir=args.data_dir, timeout_s=args.timeout)
+    summary = run_rollouts(config, progress=Progress("rollouts").update)
+    print(f"{len(summary.results)} rollouts: {summary.count('ok')} ok, {summary.count('failed')} failed, "
+          f"{summary.count('timeout')} timed out, {summary.count('error')} could not start")
+    rewarded = summary.rewarded
+    if config.reward:
+        mean = sum(rewarded) / len(rewarded) if rewarded else float("nan")
+        print(f"reward {config.reward}: mean {mean:.3f} over {len(rewarded)} scored rollouts"
+              f" ({len(summary.results) - len(rewarded)} without a reward)")
+    print(f"stored in {args.db}: lightning-otel sql \"SELECT * FROM rollouts\" --db {args.db}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("rollout", help="run an unchanged agent command over a task file, n samples per task",
+                       description="Run the agent once per task and sample, each a subprocess under "
+                                   "opentelemetry-instrument (an agent function: a call in one worker process "
+                                   "under it), recording spans, outcomes and rewards in the store.")
+    p.add_argument("--tasks", type=Path, required=True, help="JSONL task file (one object per line)")
+    p.add_argument("--agent", required=True,
+                   help='command template, e.g. "python agent.py --question {question} --db {db_path}", or an '
+                        'agent function called as fn(task, llm) in one worker process: "module:function" or '
+                        '"path/to/agent.py:function"')
+    p.add_argument("-n", type=int, default=4, help="samples per task (default: 4)")
+    p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
+    add_db(p)
+    p.add_argument("--model", help="policy to serve: a local Hugging Face model folder (default: the bundled "
+                                   "SmolLM2-135M-Instruct), through vLLM and the token-recording gateway")
+    p.add_argument("--base-url", help="instead of serving --model: an outside OpenAI-compatible endpoint the "
+                                      "agents call (no token records)")
+    p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")
+    p.add_argument("--model-name", default="policy", help="model name for {model} and LIGHTNING_MODEL "
+                                                          "(the gateway serves the policy under any name)")
+    add_task_pack(p, required=False)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")
+    p.set_defaults(func=cmd_rollout)

@@ -1,0 +1,169 @@
+"""Commands over the trace store: collect, sql, ingest, export, prune, schema and the tour."""
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from lightning_otel.cli.options import FORMATS, add_db
+from lightning_otel.cli.render import write_table
+from lightning_otel.errors import UserError
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store.collector import CollectorConfig, run_collector
+
+    config = CollectorConfig(db=args.db, host=args.host, port=args.port, token=args.token,
+                             ingest_token=args.ingest_token, query_token=args.query_token, admin_token=args.admin_token,
+                             max_body_bytes=args.max_body_bytes, max_pending_rows=args.max_pending_rows,
+                             memory_limit=args.memory_limit,
+                             **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}))
+    run_collector(config)
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store import client
+
+    table = client.query_arrow(args.query, args.db)
+    write_table(table, args.format, args.output)
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store import client
+
+    report = client.ingest_files(args.files, args.db)
+    print(f"stored {report.spans} spans and {report.logs} log records from {report.requests} requests"
+          + (f"; {report.rejected} rejected" if report.rejected else "")
+          + (f"; {report.skipped_metrics} metrics requests skipped (metrics are not stored)"
+             if report.skipped_metrics else ""))
+    for error in report.errors:
+        print(f"error: {error}", file=sys.stderr)
+    if report.errors:
+        print(f"{len(report.errors)} part(s) above could not be loaded; everything else was stored", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store.export import export_parquet
+
+    written = export_parquet(args.db, args.parquet, overwrite=args.overwrite)
+    for table, rows in written.items():
+        print(f"{table}: {rows} rows")
+    print(f"wrote {args.parquet}")
+    return 0
+
+
+def parse_date(text: str) -> int:
+    """A date or ISO timestamp (UTC unless it says otherwise) as ns since the epoch."""
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise UserError(f"--before {text!r} is not a date; use YYYY-MM-DD or an ISO timestamp") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp()) * 1_000_000_000 + moment.microsecond * 1000
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store import client
+
+    counts = client.prune(args.db, parse_date(args.before))
+    print(f"deleted {counts['spans']} spans and {counts['logs']} log records older than {args.before}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store.reference import schema_markdown
+
+    sys.stdout.write(schema_markdown())
+    return 0
+
+
+def cmd_tour(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store import client, tour
+    from lightning_otel.span_store.export import export_parquet
+
+    print("A tour of the trace store over traces recorded from LangGraph, CrewAI, AutoGen and the OpenAI SDK.")
+    collector = tour.load_samples(args.folder)
+    db = collector.db
+    try:
+        print(f"\ncollector on {collector.url} wrote {db}\n")
+        for title, sql in tour.QUERIES:
+            print(f"-- {title}\n{sql}")
+            write_table(client.query_arrow(sql, db), "table", None)
+            print()
+        written = export_parquet(db, args.folder / "parquet", overwrite=True)
+    finally:
+        collector.close()
+    print(f"Parquet export: {args.folder / 'parquet'} ({written['spans']} spans, partitioned by day)")
+    print(f"Explore: lightning-otel sql \"SELECT * FROM llm_calls\" --db {db}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("collect", help="run the OTLP/HTTP collector that writes spans into a DuckDB file",
+                       description="Receive OTLP/HTTP traces and logs (protobuf or JSON, gzip) and write them "
+                                   "into one DuckDB file; serve read-only SQL to other commands.")
+    add_db(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=4318, help="port (default: 4318, OTLP/HTTP's; 0 = any free)")
+    p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on every request: the token of every "
+                                   "role not given its own below")
+    p.add_argument("--ingest-token", help="token that may send OTLP (/v1/traces, /v1/logs): the one to give agents")
+    p.add_argument("--query-token", help="token that may run read queries (/v1/query)")
+    p.add_argument("--admin-token", help="token that may do everything, and the only one that may write records "
+                                         "(rewards, tasks, rollout runs: /v1/records) and prune (/v1/prune)")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                   help="largest request body accepted, compressed or not (default: 32 MiB)")
+    p.add_argument("--max-pending-rows", type=int, default=200_000,
+                   help="rows waiting for a commit before senders are told to retry (503)")
+    p.add_argument("--memory-limit", default="2GB", help="DuckDB memory limit (default: 2GB)")
+    p.add_argument("--decode-workers", type=int, default=None,
+                   help="processes that decode OTLP bodies (default: cores - 1, 1 to 4; 0 = in the server)")
+    p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser("sql", help="run a read-only SQL query over the trace store",
+                       description="Run one read statement. Goes through the running collector when one "
+                                   "holds the file, else opens the file read-only.")
+    p.add_argument("query", help='e.g. "SELECT name, count(*) FROM spans GROUP BY name"')
+    add_db(p)
+    p.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
+    p.add_argument("--output", type=Path, help="write to this file instead of stdout")
+    p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser("ingest", help="load what OpenTelemetry Collectors' file exporters wrote",
+                       description="Load the files of the Collector's `file` exporter: format json (one OTLP/JSON "
+                                   "request per line) or proto (length-prefixed messages), compression zstd or "
+                                   "none, and such files gzip- or zstd-compressed afterwards; the format is read "
+                                   "from each file's first bytes. Traces and logs are stored, metrics skipped. "
+                                   "A damaged line, message or file is reported and everything else is stored.")
+    p.add_argument("files", nargs="+", type=Path, metavar="PATH",
+                   help="a file, a folder (its files, recursively: a rotated set) or a quoted glob "
+                        "('exports/traces*.json')")
+    add_db(p)
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("export", help="write the store as Parquet, spans and logs partitioned by day")
+    add_db(p)
+    p.add_argument("--parquet", type=Path, required=True, metavar="DIR", help="output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("prune", help="delete traces that ended before a date",
+                       description="Delete whole traces whose last span ended before DATE, and older logs.")
+    add_db(p)
+    p.add_argument("--before", required=True, metavar="DATE", help="YYYY-MM-DD or ISO timestamp (UTC)")
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("schema", help="print the reference of every table, view and column (Markdown)")
+    p.add_argument("--markdown", action="store_true", help="Markdown output (the only format)")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("tour", help="a tour of the trace store over bundled recorded traces (no model needed)")
+    p.add_argument("--folder", type=Path, default=Path("lightning-otel-tour"),
+                   help="where the tour writes its files (default: ./lightning-otel-tour)")
+    p.set_defaults(func=cmd_tour)

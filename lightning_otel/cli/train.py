@@ -1,0 +1,124 @@
+"""Training commands: compile (stored rollouts to transitions) and train (rounds of rollout and GRPO, or
+--offline from stored traces)."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from lightning_otel.cli.options import add_db
+from lightning_otel.cli.render import StepProgress
+from lightning_otel.errors import UserError
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from lightning_otel.train.compile import CompileConfig, compile_transitions
+
+    model = None if args.model.lower() == "none" else args.model
+    frame, account = compile_transitions(CompileConfig(db=args.db, reward=args.reward, gamma=args.gamma,
+                                                       advantage=args.advantage, agents=args.agents,
+                                                       intermediate=args.intermediate or [],
+                                                       turn_weight=args.turn_weight, merge_turns=args.merge_turns,
+                                                       model=model, max_length=args.max_length, drift=args.drift))
+    frame.write_parquet(args.out)
+    print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts "
+          f"({account.transitions_per_episode:.2f} per episode) -> {args.out}")
+    for reason, count in sorted(account.excluded.items()):
+        print(f"  excluded: {count} rollout(s): {reason}")
+    if account.zero_variance_groups:
+        print(f"  {account.zero_variance_groups} group(s) of (task, policy version) had no reward variance")
+    if account.duplicate_calls:
+        print(f"  {account.duplicate_calls} duplicated LLM span(s) removed (one request recorded twice)")
+    if account.retokenized_calls:
+        print(f"  {account.retokenized_calls} call(s) without a token record re-tokenised from their messages "
+              f"(token_source=retokenized, no sampling logprobs)")
+    for reason, count in sorted(account.not_merged.items()):
+        print(f"  not merged: {count} pair(s) of turns: {reason}")
+    for line in account.drift.lines() if account.drift else []:
+        print(line)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from lightning_otel.train import distributed
+
+    if distributed.launched():  # one rank of several (torchrun, deepspeed): rank 0 runs the run, the rest follow
+        distributed.init()
+        if distributed.rank() > 0:
+            distributed.follow()
+            return 0
+    code = _train(args)
+    # Only after a run that ended well: after an error the other ranks may be inside a step rank 0 left, and the
+    # launcher stops them when rank 0 exits with an error.
+    distributed.release()
+    return code
+
+
+def _train(args: argparse.Namespace) -> int:
+    from lightning_otel.train.config import load_config, render_toml
+
+    config = load_config(args.config, args.overrides)
+    print(f"# resolved config (saved as {config.output_dir}/config.toml)\n{render_toml(config)}", end="")
+    logging.getLogger("lightning_otel.train.metrics").setLevel(logging.INFO)
+    if args.offline:
+        from lightning_otel.train.offline import train_offline
+
+        if args.db is None:
+            raise UserError("--offline trains from a trace store: give --db traces.duckdb")
+        state = train_offline(config, args.db, args.where, args.objective, args.min_reward, StepProgress())
+    else:
+        from lightning_otel.train.trainer import train
+
+        if args.db is not None or args.where is not None:
+            raise UserError("--db/--where select stored traces for --offline training; online rounds write "
+                            "their traces into <output_dir>/traces.duckdb")
+        state = train(config, progress=StepProgress())
+    print(f"done: {config.output_dir} (policy version {state['policy_version']}, last {state['last']}, "
+          f"best {state['best']})")
+    print(f"evaluate it: lightning-otel eval --model {config.output_dir} --tasks TASKS --agent CMD --report DIR")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compile", help="turn stored rollouts into training transitions (Parquet)",
+                       description="Per rollout: LLM calls in order with their token records, the episode "
+                                   "reward, return and group-normalised advantage.")
+    add_db(p)
+    p.add_argument("--out", type=Path, required=True, help="Parquet file to write")
+    p.add_argument("--reward", help="reward name (default: the only one stored)")
+    p.add_argument("--gamma", type=float, default=1.0, help="discount per later LLM call (default: 1)")
+    p.add_argument("--advantage", default="per-rollout",
+                   help="per-rollout: group statistics over rollouts (default); per-transition: over transitions "
+                        "(Agent Lightning's legacy); batch-baseline: groups, lone rollouts against each other; "
+                        "reinforce_pp: one baseline over the whole batch, no groups (REINFORCE++, its sequence "
+                        "part: the trainer adds the token-level KL); none")
+    p.add_argument("--agents", metavar="REGEX",
+                   help="train only LLM calls of agents whose whole name matches this pattern")
+    p.add_argument("--intermediate", action="append", metavar="NAME",
+                   help="a reward name whose rows on inner spans add to the returns of their scope (repeatable)")
+    p.add_argument("--turn-weight", type=float, default=0.0,
+                   help="lambda of the turn-level term A_t = A + lambda * z_t (default 0: off)")
+    p.add_argument("--merge-turns", action="store_true",
+                   help="merge consecutive turns whose tokens extend the previous turn into one sample")
+    p.add_argument("--model", default="bundled",
+                   help="tokenizer and chat template for calls without a token record: a local Hugging Face model "
+                        "folder (default: the bundled model; 'none' excludes such rollouts instead)")
+    p.add_argument("--max-length", type=int, metavar="TOKENS",
+                   help="exclude rollouts with a call longer than this (prompt + completion tokens)")
+    p.add_argument("--drift", action="store_true",
+                   help="also re-tokenise calls that have a token record and report how often the ids differ")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("train", help="train the agent's policy: rounds of rollout and GRPO, or --offline",
+                       description="Rounds of rollout (vLLM through the gateway) and GRPO under DeepSpeed, "
+                                   "resumable: run the same command again after an interruption. Settings "
+                                   "come from --config (TOML) and key=value arguments (later wins).")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings over the config file, e.g. rounds=3")
+    p.add_argument("--config", type=Path, help="TOML file with train settings (keys: see docs or README)")
+    p.add_argument("--offline", action="store_true", help="train on traces already in --db, no new rollouts")
+    p.add_argument("--db", type=Path, help="with --offline: the trace store to train from")
+    p.add_argument("--where", help="with --offline: SQL condition on the rollouts view, e.g. \"status = 'ok'\"")
+    p.add_argument("--objective", choices=("grpo", "sft"), default="grpo",
+                   help="with --offline: GRPO (batch baseline where no groups) or SFT on successful rollouts")
+    p.add_argument("--min-reward", type=float, default=1.0, help="with --objective sft: the success threshold")
+    p.set_defaults(func=cmd_train)
