@@ -51,7 +51,7 @@ from lightning_otel.serve.model import resolve_model
 from lightning_otel.serve.policy import resolve_policy
 from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec
 from lightning_otel.span_store import client
-from lightning_otel.serve.serving import merge_adapter
+from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 from spider_rename import renamed_tasks, with_renamed

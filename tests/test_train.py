@@ -493,7 +493,7 @@ def test_export_merges_the_adapter_into_a_model_that_computes_the_same_logits(tr
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lightning_otel.serve.serving import export_policy
+    from lightning_otel.train.checkpoints import export_policy
 
     config, state, *_ = trained
     out = export_policy(config.output_dir, tmp_path / "merged", merge=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def cmd_export_policy(args: argparse.Namespace) -> int:
-    from lightning_otel.serve.serving import export_policy
+    from lightning_otel.train.checkpoints import export_policy
 
     out = export_policy(args.model, args.out, merge=args.merge)
     kind = "merged model folder" if args.merge else "policy"

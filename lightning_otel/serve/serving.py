@@ -1,54 +1,23 @@
-"""Using a trained policy: export it as a folder other tools load, or serve it behind the gateway.
+"""Serving a trained policy behind the gateway (exporting it is lightning_otel.train.checkpoints).
 
-    lightning-otel export-policy runs/sql --out sql-policy [--merge]
     lightning-otel serve runs/sql --port 8000 [--db traces.duckdb]
 
 `--model`-style values are resolved by lightning_otel.serve.policy (a run folder means its best checkpoint).
-Export writes the LoRA adapter as PEFT saves it, or with --merge one full Hugging Face model folder (the
-adapter merged into the base weights, tokenizer included) that any inference server loads. Serve starts
-vLLM on the base model with the adapter hot-loaded and the OpenAI-compatible gateway in front of it; every
-call keeps being recorded as a `lightning.generate` span in the store, so traffic from the user's own
-agents can train the next version (`lightning-otel train --offline`).
+Serve starts vLLM on the base model with the adapter hot-loaded and the OpenAI-compatible gateway in front
+of it; every call keeps being recorded as a `lightning.generate` span in the store, so traffic from the
+user's own agents can train the next version (`lightning-otel train --offline`).
 """
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
-from lightning_otel.errors import UserError
 from lightning_otel.serve.policy import Policy, resolve_policy
 
 log = logging.getLogger(__name__)
-
-
-def export_policy(spec: str, out: Path, merge: bool = False, python: str | None = None) -> Path:
-    policy = resolve_policy(spec, python)
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} exists and is not empty: give a new folder")
-    if policy.adapter is None:
-        shutil.copytree(policy.base_model, out, dirs_exist_ok=True)
-        return out
-    if not merge:
-        shutil.copytree(policy.adapter, out, dirs_exist_ok=True)
-        return out
-    return merge_adapter(policy.base_model, policy.adapter, out)
-
-
-def merge_adapter(base_model: Path, adapter: Path, out: Path) -> Path:
-    """A full model folder: the base model with the LoRA adapter merged into its weights, and its tokenizer."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    base = AutoModelForCausalLM.from_pretrained(base_model)
-    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-    merged.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(base_model).save_pretrained(out)
-    return out
 
 
 def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: str | None = None,
