@@ -13,7 +13,7 @@ import pytest
 from conftest import post
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
-from lightning_otel.span_store import client, store
+from lightning_otel.span_store import client, readonly, store
 from test_collector_http import sample_request
 
 SETTINGS = "SELECT current_setting('memory_limit') AS m, current_setting('threads') AS t"
@@ -147,4 +147,4 @@ def test_store_connections_have_their_configuration_locked(tmp_path):
     ("EXPLAIN (SELECT 1) UNION (SELECT 2)", ["(SELECT 1) UNION (SELECT 2)"]),
 ])
 def test_the_statement_an_explain_wraps(sql, wrapped):
-    assert store.explained_statements(sql) == wrapped
+    assert readonly.explained_statements(sql) == wrapped
