@@ -37,7 +37,7 @@ import polars as pl
 import psutil
 
 from lightning_otel.span_store import discovery, store
-from lightning_otel.train.compile import CompileConfig, compile_transitions
+from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "rollouts"

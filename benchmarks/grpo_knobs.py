@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_otel.train.credit import ADVANTAGES
+from lightning_otel.train.transitions.credit import ADVANTAGES
 
 KNOBS = ("lr", "lora_rank", "epochs", "batch_size", "micro_batch", "max_tokens", "temperature", "concurrency",
          "seed", "autocast", "advantage", "kl")
@@ -23,7 +23,7 @@ def add_knobs(p: argparse.ArgumentParser, *, lr: float, epochs: int, batch_size:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--autocast", action="store_true", help="bf16 forward passes (CPUs with bf16 instructions)")
     p.add_argument("--advantage", default="per-rollout", choices=sorted(ADVANTAGES),
-                   help="train/credit.py; reinforce_pp: REINFORCE++ (global baseline, KL penalty in the rewards)")
+                   help="train/transitions/credit.py; reinforce_pp: REINFORCE++ (global baseline, KL penalty in the rewards)")
     p.add_argument("--kl", type=float, default=0.0,
                    help="k3 KL term to the reference; with --advantage reinforce_pp, beta of the KL penalty")
 

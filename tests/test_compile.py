@@ -11,9 +11,9 @@ from opentelemetry.trace import SpanKind
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
-from lightning_otel.train.compile import CompileConfig, compile_transitions
-from lightning_otel.train.credit import EPS
-from lightning_otel.train.trajectories import TOKEN_MISMATCH
+from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
+from lightning_otel.train.transitions.credit import EPS
+from lightning_otel.train.transitions.trajectories import TOKEN_MISMATCH
 from sdk import tracer_provider
 
 # rollout -> (task, status, reward, [(agent, has token record)] )
@@ -158,7 +158,7 @@ def test_rewards_on_inner_spans_feed_the_returns_of_their_scope(store):
 
 
 def test_turn_level_term_on_hand_computed_groups():
-    from lightning_otel.train.compile import _add_turn_term
+    from lightning_otel.train.transitions.compile import _add_turn_term
     frame = pl.DataFrame({"task_id": ["t"] * 3, "agent": ["A", "A", "B"], "turn": [0, 0, 0],
                           "intermediate": [-1.0, 1.0, 5.0], "advantage": [0.0, 0.0, 1.0]})
     out = _add_turn_term(frame, 0.5)
@@ -175,7 +175,7 @@ def test_turn_weight_needs_intermediate_rewards(store):
 def test_merge_turns_on_hand_made_token_records():
     from collections import Counter
 
-    from lightning_otel.train.compile import merge_turns
+    from lightning_otel.train.transitions.compile import merge_turns
     base = {"task_id": "t", "attempt": 0, "policy_version": 0, "agent": "A", "reward": 1.0, "return": 1.0,
             "advantage": 0.5, "token_source": "engine"}
     rows = [

@@ -6,7 +6,7 @@ import math
 import polars as pl
 import pytest
 
-from lightning_otel.train.credit import (ADVANTAGES, END, EPS, Call, Reward, advantage_per_rollout,
+from lightning_otel.train.transitions.credit import (ADVANTAGES, END, EPS, Call, Reward, advantage_per_rollout,
                                          advantage_per_transition, discounted_returns)
 
 # Three calls of one rollout, the first two under agent span "A", the third under "B".
@@ -83,7 +83,7 @@ def test_end_is_after_everything():
 def test_batch_baseline_normalises_lone_rollouts_against_each_other_and_groups_within_themselves():
     import polars as pl
 
-    from lightning_otel.train.credit import ADVANTAGES
+    from lightning_otel.train.transitions.credit import ADVANTAGES
 
     frame = pl.DataFrame({
         "rollout_id": ["g1", "g2", "a", "b", "c", "c"],
@@ -103,7 +103,7 @@ def test_batch_baseline_normalises_lone_rollouts_against_each_other_and_groups_w
 def test_no_advantage_keeps_every_transition():
     import polars as pl
 
-    from lightning_otel.train.credit import ADVANTAGES
+    from lightning_otel.train.transitions.credit import ADVANTAGES
 
     frame = pl.DataFrame({"rollout_id": ["a"], "task_id": ["t"], "policy_version": [0], "reward": [1.0]})
     out, flat = ADVANTAGES["none"](frame)

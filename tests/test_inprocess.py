@@ -87,7 +87,7 @@ def transitions(db: Path, sub_id: str, fn_id: str) -> dict[str, list[dict]]:
     """Both rollouts' compiled transitions. They are one group (same task, same policy) and their spider_exec
     rewards are equal, so the compiler would leave the group out (zero variance): a marker reward told apart
     by mode gives it a spread, and is left out of the comparison with the advantage it makes."""
-    from lightning_otel.train.compile import CompileConfig, compile_transitions
+    from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 
     client.write_records(db, "rewards", [{"rollout_id": rid, "name": "mode_marker", "value": value,
                                           "source": "function", "created_ns": time.time_ns()}

@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 import torch
 
-from lightning_otel.train.credit import ADVANTAGES, EPS
+from lightning_otel.train.transitions.credit import ADVANTAGES, EPS
 from lightning_otel.train.losses import (AGGREGATIONS, TOKEN_RETURNS, grpo_loss, k3_kl, kl_penalised_returns,
                                          normalise_tokens, sft_loss, token_weights)
 

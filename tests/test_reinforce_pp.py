@@ -13,7 +13,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.serve.model import bundled_model_dir
 from lightning_otel.train.batch import collate
 from lightning_otel.train.config import TrainConfig
-from lightning_otel.train.credit import EPS
+from lightning_otel.train.transitions.credit import EPS
 from lightning_otel.train.optimize import StepStats, optimize, with_token_advantages
 
 

@@ -10,10 +10,10 @@ import pytest
 
 from conftest import FIXTURES
 from lightning_otel.span_store import client, store
-from lightning_otel.train.compile import CompileConfig, compile_transitions
-from lightning_otel.train.retokenize import (ChatTokenizer, assistant_message, edit_distance, measure_drift,
+from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
+from lightning_otel.train.transitions.retokenize import (ChatTokenizer, assistant_message, edit_distance, measure_drift,
                                              openai_messages, openai_tools)
-from lightning_otel.train.trajectories import drift
+from lightning_otel.train.transitions.trajectories import drift
 from test_recorded_payloads import replay_protobuf
 
 ROLLOUTS = FIXTURES / "rollouts"

@@ -19,7 +19,7 @@ from lightning_otel.rollouts.environment import agent_environment
 from lightning_otel.rollouts.runner import RolloutConfig, Runner, Task, agent_token, run_rollouts
 from lightning_otel.span_store import client, discovery
 from lightning_otel.span_store.collector import Collector, CollectorConfig, private_config
-from lightning_otel.train import trajectories
+from lightning_otel.train.transitions import trajectories
 from sdk import tracer_provider
 
 TOKENS = {"ingest": "in-token", "query": "query-token", "admin": "admin-token"}

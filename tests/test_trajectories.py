@@ -9,7 +9,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 
 from lightning_otel.span_store import client
-from lightning_otel.train.compile import CompileConfig, compile_transitions
+from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 from sdk import tracer_provider
 from test_recorded_payloads import SCENARIOS, replay_protobuf
 

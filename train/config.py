@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_otel.errors import UserError
-from lightning_otel.train.credit import ADVANTAGES
+from lightning_otel.train.transitions.credit import ADVANTAGES
 from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
 
 
@@ -57,7 +57,7 @@ class TrainConfig:
     # credit (DESIGN §4)
     gamma: float = 1.0
     agents: str = ""                  # regex over whole agent names: train only their LLM calls ("" = all)
-    advantage: str = "per-rollout"    # train/credit.py; reinforce_pp: REINFORCE++, per token (train/losses.py)
+    advantage: str = "per-rollout"    # train/transitions/credit.py; reinforce_pp: REINFORCE++, per token (train/losses.py)
     merge_turns: bool = False
     # optimisation
     lr: float = 1e-5

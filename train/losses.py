@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from lightning_otel.train.credit import EPS
+from lightning_otel.train.transitions.credit import EPS
 
 
 def scale_token(counts: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:

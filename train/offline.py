@@ -20,7 +20,7 @@ from typing import Callable
 
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
-from lightning_otel.train.compile import CompileConfig, compile_transitions
+from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
 from lightning_otel.train.optimize import optimize

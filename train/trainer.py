@@ -36,7 +36,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
 from lightning_otel.rollouts.packs import pack_for_reward
 from lightning_otel.train.checkpoints import merge_adapter
-from lightning_otel.train.compile import CompileConfig, compile_transitions
+from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
 from lightning_otel.train.optimize import optimize
