@@ -24,12 +24,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from lightning_otel.errors import UserError
 from lightning_otel.eval.metrics import compute_metrics
 from lightning_otel.eval.plots import write_plots
-from lightning_otel.eval.report import comparison_rows, paired_comparison, read_rounds, read_summary, write_report
+from lightning_otel.eval.report import (
+    comparison_rows,
+    paired_comparison,
+    read_rounds,
+    read_summary,
+    write_report,
+)
+
+from lightning_otel.errors import UserError
+from lightning_otel.rollouts.runner import (
+    RolloutConfig,
+    RolloutResult,
+    check_inputs,
+    load_tasks,
+    run_rollouts,
+)
+from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.policy import Policy, resolve_policy
-from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, check_inputs, load_tasks, run_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +108,17 @@ def adapter_rank(adapter: Path) -> int:
     return int(json.loads((adapter / "adapter_config.json").read_text()).get("r", 8))
 
 
-def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
+def serve_policy(policy: Policy, config: EvalConfig, engine: PolicyEngine | None,
+                 owned: ExitStack) -> PolicyEngine:
     """The engine serving `policy`: the one given (switched to the policy, back on its own base model when a
     trainer left it on merged weights, its policy restored on exit), or one started here on the policy's
     base model."""
-    from lightning_otel.serve.engine import EngineConfig, EngineError, VLLMEngine, default_engine_python
+    from lightning_otel.serve.engine import (
+        EngineConfig,
+        EngineError,
+        VLLMEngine,
+        default_engine_python,
+    )
 
     if engine is None:
         rank = adapter_rank(policy.adapter) if policy.adapter else 8
@@ -116,7 +136,7 @@ def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
             engine.model_name, engine.policy_version = engine.base_name, policy.version
             return engine
         if Path(engine.config.model_dir).resolve() != wanted and \
-                Path(getattr(engine, "base_dir", engine.config.model_dir)).resolve() == wanted:
+                Path(engine.base_dir).resolve() == wanted:
             engine.use_base()  # a trainer moved it to merged weights (serve_merged): back to its base model
         served = Path(engine.config.model_dir).resolve()
         if served != wanted:
@@ -143,7 +163,7 @@ def serve_policy(policy: Policy, config: EvalConfig, engine, owned: ExitStack):
     return engine
 
 
-def evaluate(config: EvalConfig, engine=None,
+def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
              progress: Callable[[RolloutResult, int, int], None] | None = None) -> EvalResult:
     """Run the evaluation and write the report; returns the summary (also in <report>/summary.json)."""
     log.info("eval config: %s", config.to_dict())

@@ -3,7 +3,6 @@ cannot drift from the schema. `lightning-otel schema --markdown > docs/schema.md
 from __future__ import annotations
 
 import duckdb
-
 from lightning_otel.span_store import store
 
 SQL_OBJECTS = """

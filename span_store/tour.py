@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Iterator
 
 import orjson
-
 from lightning_otel.span_store.collector import Collector, CollectorConfig
 
 QUERIES = [

@@ -23,13 +23,19 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
-
 from lightning_otel.train import distributed
 from lightning_otel.train.batch import Batch, collate, common_prefix, plan_micro_batches
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.learner import Learner
-from lightning_otel.train.losses import (AGGREGATIONS, TOKEN_RETURNS, LossOutput, grpo_loss, normalise_tokens,
-                                         sft_loss, token_weights)
+from lightning_otel.train.losses import (
+    AGGREGATIONS,
+    TOKEN_RETURNS,
+    LossOutput,
+    grpo_loss,
+    normalise_tokens,
+    sft_loss,
+    token_weights,
+)
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,17 @@ import time
 from pathlib import Path
 
 import polars as pl
-
-from lightning_otel.errors import UserError
-from lightning_otel.rollouts.runner import Task, check_templates, format_answer, load_tasks
 from lightning_otel.span_store import client
 from lightning_otel.train.optimize import optimize
 from lightning_otel.train.trainer import write_atomically, write_tasks
+
+from lightning_otel.errors import UserError
+from lightning_otel.rollouts.runner import (
+    Task,
+    check_templates,
+    format_answer,
+    load_tasks,
+)
 
 log = logging.getLogger(__name__)
 SQL_PROMPTS = """

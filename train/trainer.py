@@ -31,15 +31,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-
-from lightning_otel.errors import UserError
-from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
-from lightning_otel.rollouts.packs import pack_for_reward
 from lightning_otel.train.checkpoints import merge_adapter
-from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
 from lightning_otel.train.optimize import optimize
+from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
+
+from lightning_otel.errors import UserError
+from lightning_otel.rollouts.packs import pack_for_reward
+from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
+from lightning_otel.serve.engine import PolicyEngine
 
 log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url",
@@ -118,7 +119,8 @@ def check_resume(config: TrainConfig, folder: RunFolder) -> dict:
 class Trainer:
     """Owns the run: its store (collector), the engine, the learner. Use as a context manager."""
 
-    def __init__(self, config: TrainConfig, engine=None, progress: Callable[[str, int, int], None] | None = None):
+    def __init__(self, config: TrainConfig, engine: PolicyEngine | None = None,
+                 progress: Callable[[str, int, int], None] | None = None):
         self.config, self.progress = config, progress or (lambda label, done, total: None)
         self.folder = RunFolder(Path(config.output_dir))
         self.state = check_resume(config, self.folder)
@@ -142,10 +144,11 @@ class Trainer:
         self.db = self.folder.path / "traces.duckdb"
 
     def __enter__(self) -> "Trainer":
-        from lightning_otel.serve.model import resolve_model
-        from lightning_otel.serve.engine import default_engine_python
         from lightning_otel.span_store.collector import Collector, private_config
         from lightning_otel.train.learner import Learner
+
+        from lightning_otel.serve.engine import default_engine_python
+        from lightning_otel.serve.model import resolve_model
 
         c = self.config
         self.folder.path.mkdir(parents=True, exist_ok=True)
@@ -175,9 +178,7 @@ class Trainer:
 
     @property
     def engine(self):
-        if self._engine is not None and getattr(self._engine, "config", None) is not None and \
-                Path(getattr(self._engine, "base_dir", self._engine.config.model_dir)).resolve() != \
-                Path(self.model_dir).resolve():
+        if self._engine is not None and Path(self._engine.base_dir).resolve() != Path(self.model_dir).resolve():
             raise UserError(f"the given engine serves {self._engine.config.model_dir}, but this run trains "
                             f"{self.model_dir}; give an engine on the same base model")
         if self._engine is None:
@@ -223,7 +224,10 @@ class Trainer:
 
     def _agent_worker(self):
         """For an agent function: one worker process for every rollout of the run (None for a command)."""
-        from lightning_otel.capture.agent_fn import load_agent_function, parse_agent_function
+        from lightning_otel.capture.agent_fn import (
+            load_agent_function,
+            parse_agent_function,
+        )
         from lightning_otel.rollouts.runner import start_agent_worker
 
         if self._worker is None and (agent := parse_agent_function(self.config.agent)) is not None:
@@ -422,6 +426,6 @@ def zero_variance_groups(results) -> int:
     return sum(1 for values in by_task.values() if len(values) == 1)
 
 
-def train(config: TrainConfig, engine=None, progress=None) -> dict:
+def train(config: TrainConfig, engine: PolicyEngine | None = None, progress=None) -> dict:
     with Trainer(config, engine=engine, progress=progress) as trainer:
         return trainer.run()

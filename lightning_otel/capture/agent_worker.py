@@ -34,9 +34,13 @@ from typing import Any, Callable
 
 from opentelemetry import trace
 
-from lightning_otel.capture.agent_fn import LLM, load_agent_function, parse_agent_function
-from lightning_otel.errors import UserError
+from lightning_otel.capture.agent_fn import (
+    LLM,
+    load_agent_function,
+    parse_agent_function,
+)
 from lightning_otel.capture.context import rollout
+from lightning_otel.errors import UserError
 
 JOBS_FD_ENV = "LIGHTNING_WORKER_JOBS_FD"
 RESULTS_FD_ENV = "LIGHTNING_WORKER_RESULTS_FD"

@@ -99,8 +99,12 @@ def split_tasks(config: DemoConfig, folder: Path) -> dict[str, Path]:
 def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Returns {"folder", "before", "after", "run"}: the two eval summaries and the run's state."""
     from lightning_otel.capture.distro import ONLY_ENV
-    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
     from lightning_otel.eval import EvalConfig, evaluate
+    from lightning_otel.serve.engine import (
+        EngineConfig,
+        VLLMEngine,
+        default_engine_python,
+    )
     from lightning_otel.serve.model import resolve_model
     from lightning_otel.train.config import TrainConfig
     from lightning_otel.train.trainer import train

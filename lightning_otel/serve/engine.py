@@ -39,12 +39,29 @@ class EngineError(Exception):
 
 
 class Engine(Protocol):
+    """What the gateway needs of an engine: OpenAI-compatible generation, and the policy it serves."""
     name: str
     policy_version: int
     model_name: str
 
     def generate(self, path: str, body: dict, timeout: float = 600) -> dict: ...
+
+
+class PolicyEngine(Engine, Protocol):
+    """An engine the trainer, the evaluator and the runner own: started and stopped, moved between policies
+    (a LoRA adapter hot-loaded, full weights loaded, back to the base model), asleep while the learner trains.
+    VLLMEngine is the one implementation; everything above the serving floor uses this, never getattr."""
+    config: EngineConfig
+    url: str
+    base_name: str
+    base_dir: Path  # the model it started on; load_model() may serve other weights
+
+    def start(self) -> None: ...
+    def attach(self, url: str) -> None: ...
+    def stop(self) -> None: ...
     def update_weights(self, adapter_dir: Path, version: int) -> None: ...
+    def load_model(self, model_dir: Path, version: int) -> None: ...
+    def use_base(self) -> None: ...
     def sleep(self) -> None: ...
     def wake(self) -> None: ...
 

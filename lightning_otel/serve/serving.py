@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
+from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.policy import Policy, resolve_policy
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,19 @@ log = logging.getLogger(__name__)
 
 def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: str | None = None,
                  ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
-                 engine=None) -> None:
+                 engine: PolicyEngine | None = None) -> None:
     """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on 127.0.0.1:port. An engine
     already running on the policy's base model may be given instead of starting one."""
-    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
-    from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
+    from lightning_otel.serve.engine import (
+        EngineConfig,
+        VLLMEngine,
+        default_engine_python,
+    )
+    from lightning_otel.serve.gateway import (
+        Gateway,
+        GatewayConfig,
+        template_renders_tools,
+    )
     from lightning_otel.span_store import discovery
     from lightning_otel.span_store.collector import Collector, private_config
 
