@@ -154,7 +154,7 @@ def test_a_run_folder_with_other_settings_is_not_resumed(tmp_path):
     config = small_config(tmp_path)
     Path(config.output_dir).mkdir()
     (Path(config.output_dir) / "run.json").write_text(json.dumps(
-        {"rounds_completed": 1, "config": {**small_config(tmp_path).__dict__, "lr": 0.5}}))
+        {"model": "bundled", "rounds_completed": 1, "config": {**small_config(tmp_path).__dict__, "lr": 0.5}}))
     with pytest.raises(UserError, match=r"different settings \(lr\)"):
         Trainer(config)
 
@@ -188,7 +188,7 @@ def trained(engine, tmp_path_factory):
 
 def test_a_round_trains_every_parameter_with_a_finite_loss(trained):
     config, state, before, after, *_ = trained
-    assert state["rounds_completed"] == 1 and state["policy_version"] == 2  # v1 = SFT, v2 = round 1
+    assert state.rounds_completed == 1 and state.policy_version == 2  # v1 = SFT, v2 = round 1
     unchanged = [n for n in before if torch.equal(before[n], after[n])]
     assert not unchanged, f"{len(unchanged)} trainable tensors did not change, e.g. {unchanged[:3]}"
     records = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -230,8 +230,8 @@ def test_the_checkpoint_loads_as_the_trained_adapter(trained):
 
     config, state, _, after, *_ = trained
     run = Path(config.output_dir)
-    base = AutoModelForCausalLM.from_pretrained(state["model"])
-    loaded = PeftModel.from_pretrained(base, run / state["last"] / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(state.model)
+    loaded = PeftModel.from_pretrained(base, run / state.last / "adapter")
     weights = dict(loaded.named_parameters())
     for name, value in after.items():
         match = [k for k in weights if k.replace(".default", "") == name.replace(".default", "")]
@@ -242,7 +242,7 @@ def test_the_checkpoint_loads_as_the_trained_adapter(trained):
 
 def test_the_engine_serves_the_new_policy_and_records_its_version(trained, engine):
     _, state, *_ = trained
-    assert engine.policy_version == state["policy_version"] and engine.model_name.endswith(f"-v{state['policy_version']}")
+    assert engine.policy_version == state.policy_version and engine.model_name.endswith(f"-v{state.policy_version}")
     result = engine.generate("/v1/chat/completions", {"messages": [{"role": "user", "content": "SELECT"}],
                                                       "max_tokens": 4})
     assert result["model"] == engine.model_name and result["choices"][0]["token_ids"]
@@ -258,7 +258,7 @@ def test_offline_training_on_the_stored_traces(trained, tmp_path):
     # One GRPO task's group of 4 rollouts (half the round; the store also holds the SFT walk's): a step's worth.
     first = json.loads((Path(config.output_dir) / "rounds" / "round-0001" / "tasks.jsonl").read_text().split("\n")[0])
     state = train_offline(offline, db, where=f"status = 'ok' AND task_id = '{first['id']}'", objective="grpo")
-    assert (tmp_path / "offline" / state["best"] / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "offline" / state.best / "adapter" / "adapter_model.safetensors").is_file()
     record = json.loads((tmp_path / "offline" / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["phase"] == "offline-grpo" and record["transitions"] > 0 and math.isfinite(record["loss"])
     assert record["rollouts"] <= 4
@@ -322,7 +322,8 @@ def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
     tasks = spider_tasks(tmp_path / "tasks.jsonl", 4)
     run = tmp_path / "run"
     command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={AGENT}", f"reward={REWARD}",
-               "task_pack=spider", "n=2", "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4", "max_tokens=16", "lora_rank=8",
+               "task_pack=spider", "n=2", "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4",
+               "max_tokens=16", "lora_rank=8",
                f"output_dir={run}", f"engine_url={engine.url}", "seed=3", "concurrency=4"]
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -344,6 +345,7 @@ def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
     state = json.loads((run / "run.json").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [1, 2] and state["rounds_completed"] == 2
+    assert f"resuming {run} at round 2 of 2, from checkpoints/round-0001 (policy version 1)" in second.stdout
     # optimizer state came back: DeepSpeed's step count continues from round 1's
     assert records[1]["optimizer_steps_total"] == steps_round_1 + records[1]["steps"]
     # the same data order: round 2 drew the tasks that seed 3 gives round 2
@@ -416,8 +418,8 @@ def test_a_full_fine_tune_round_serves_the_new_weights_without_restarting_the_en
                               max_tokens=16, lr=1e-5)
         with Trainer(config, engine=engine) as trainer:
             state = trainer.run()
-        saved = Path(config.output_dir) / state["last"] / "model"
-        assert state["policy_version"] == 1 and (saved / "config.json").is_file()
+        saved = Path(config.output_dir) / state.last / "model"
+        assert state.policy_version == 1 and (saved / "config.json").is_file()
         assert Path(engine.config.model_dir) == saved and engine.policy_version == 1
         assert engine.restarts == restarts  # loaded in place
         result = engine.generate("/v1/chat/completions", {"messages": [{"role": "user", "content": "SELECT"}],
@@ -449,14 +451,14 @@ def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_
         with Trainer(config, engine=engine) as trainer:
             state = trainer.run()
         run = Path(config.output_dir)
-        assert state["policy_version"] == 2
-        assert Path(engine.config.model_dir) == run / state["last"] / "merged" and engine.policy_version == 2
+        assert state.policy_version == 2
+        assert Path(engine.config.model_dir) == run / state.last / "merged" and engine.policy_version == 2
         assert not (run / "checkpoints" / "round-0001" / "merged").exists()  # a serving copy, dropped
         assert (run / "checkpoints" / "round-0001" / "adapter" / "adapter_config.json").is_file()
         versions = client.query("SELECT policy_version, count(*) AS n FROM generations GROUP BY 1 ORDER BY 1",
                                 run / "traces.duckdb")["policy_version"].to_list()
         assert versions == [0, 1]  # round 2 sampled from the merged round-1 policy
-        merged = run / state["last"] / "merged"
+        merged = run / state.last / "merged"
 
         def evaluated(model: str, name: str) -> tuple[dict, list[int]]:
             summary = evaluate(EvalConfig(tasks=Path(config.tasks), agent=AGENT, report=tmp_path / name, model=model,
@@ -469,7 +471,7 @@ def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_
         # The run's checkpoint, with the engine still on its merged copy: served as is, no restart.
         summary, versions = evaluated(str(run), "report-run")
         assert summary["rollouts"] == 4 and versions == [2]
-        assert summary["policy"]["adapter"] == str((run / state["last"] / "adapter").resolve())
+        assert summary["policy"]["adapter"] == str((run / state.last / "adapter").resolve())
         assert Path(engine.config.model_dir) == merged
         # The base model: the engine goes back to what it started on.
         summary, versions = evaluated("base", "report-base")
@@ -499,8 +501,8 @@ def test_export_merges_the_adapter_into_a_model_that_computes_the_same_logits(tr
     out = export_policy(config.output_dir, tmp_path / "merged", merge=True)
     ids = torch.tensor([[1, 520, 3316, 28, 34, 9]])
     merged = AutoModelForCausalLM.from_pretrained(out)
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(state["model"]),
-                                        Path(config.output_dir) / state["best"] / "adapter")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(state.model),
+                                        Path(config.output_dir) / state.best / "adapter")
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, adapted(ids).logits, atol=1e-4)
     assert (out / "tokenizer.json").is_file()

@@ -22,8 +22,8 @@ from lightning_otel.span_store import client
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
 from lightning_otel.train.optimize import optimize
+from lightning_otel.train.run import RunFolder, RunState
 from lightning_otel.train.sft import sft_rows_from_successes
-from lightning_otel.train.trainer import RunFolder
 from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 
 from lightning_otel.errors import UserError
@@ -52,7 +52,7 @@ def selected_rollouts(db: Path, where: str | None) -> set[str] | None:
 
 
 def train_offline(config: TrainConfig, db: Path, where: str | None = None, objective: str = "grpo",
-                  min_reward: float = 1.0, progress: Callable[[str, int, int], None] | None = None) -> dict:
+                  min_reward: float = 1.0, progress: Callable[[str, int, int], None] | None = None) -> RunState:
     from lightning_otel.train.learner import Learner
 
     from lightning_otel.serve.engine import default_engine_python
@@ -88,10 +88,9 @@ def train_offline(config: TrainConfig, db: Path, where: str | None = None, objec
         checkpoint = folder.checkpoint("offline")
         learner.save_policy(checkpoint)
         (checkpoint / "policy.json").write_text('{"policy_version": 1}')
-        state = {"model": str(model_dir), "rounds_completed": 0, "policy_version": 1, "last": "checkpoints/offline",
-                 "best": "checkpoints/offline", "best_metric": None, "sft_done": objective == "sft",
-                 "offline": {"db": str(db), "where": where, "objective": objective, "min_reward": min_reward},
-                 "config": asdict(config)}
+        state = RunState(model=str(model_dir), policy_version=1, last="checkpoints/offline",
+                         best="checkpoints/offline", sft_done=objective == "sft", config=asdict(config),
+                         offline={"db": str(db), "where": where, "objective": objective, "min_reward": min_reward})
         folder.save(state)
         metrics = MetricsLog(folder.path)
         metrics.write({"round": 1, "phase": f"offline-{objective}", "transitions": len(rows),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -35,6 +34,7 @@ from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
 from lightning_otel.train.optimize import optimize
+from lightning_otel.train.run import RunFolder, RunState, check_resume, write_atomically
 from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 
 from lightning_otel.errors import UserError
@@ -43,31 +43,7 @@ from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_
 from lightning_otel.serve.engine import PolicyEngine
 
 log = logging.getLogger(__name__)
-RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url",
-                     "share_prefix", "micro_batch_tokens", "sft_save_tasks", "sft_save_steps",
-                     "group_steps"}  # the order of a round's steps only
 
-
-def write_atomically(path: Path, text: str) -> None:
-    """A kill leaves either the old file or the new one, never a part."""
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(text)
-    os.replace(partial, path)
-
-
-class RunFolder:
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.run_json = self.path / "run.json"
-
-    def load(self) -> dict:
-        return json.loads(self.run_json.read_text()) if self.run_json.is_file() else {}
-
-    def save(self, state: dict) -> None:
-        write_atomically(self.run_json, json.dumps(state, indent=2))
-
-    def checkpoint(self, name: str) -> Path:
-        return self.path / "checkpoints" / name
 
 
 def round_tasks(tasks: list[Task], round_index: int, count: int, seed: int) -> list[Task]:
@@ -100,20 +76,6 @@ def write_tasks(tasks: list[Task], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({**t.fields, "id": t.task_id}) + "\n" for t in tasks))
     return path
-
-
-def check_resume(config: TrainConfig, folder: RunFolder) -> dict:
-    state = folder.load()
-    if not state:
-        return {}
-    saved = state.get("config", {})
-    changed = sorted(k for k, v in asdict(config).items() if k in saved and saved[k] != v and
-                     k not in RESUMABLE_CHANGES)
-    if changed:
-        raise UserError(f"{folder.path} holds a run with different settings ({', '.join(changed)}): resume it with "
-                        f"the same config (only {', '.join(sorted(RESUMABLE_CHANGES))} may change), or give a new "
-                        f"output_dir")
-    return state
 
 
 class Trainer:
@@ -161,11 +123,11 @@ class Trainer:
         self._stack.callback(collector.close)
         self.learner = Learner(self.model_dir, c)
         self._stack.callback(self.learner.close)
-        if self.state.get("last"):
+        if self.state is not None and self.state.last:
             # GRPO's first round after the SFT warm start starts with a fresh optimizer (see run()).
-            grpo_starts = self.state.get("sft_done") and self.state["rounds_completed"] == 0
-            self.learner.load_state(self.folder.path / self.state["last"] / "state", optimizer=not grpo_starts)
-            log.info("resuming after %s (round %d of %d)", self.state["last"], self.state["rounds_completed"],
+            grpo_starts = self.state.sft_done and self.state.rounds_completed == 0
+            self.learner.load_state(self.folder.path / self.state.last / "state", optimizer=not grpo_starts)
+            log.info("resuming after %s (round %d of %d)", self.state.last, self.state.rounds_completed,
                      c.rounds)
         self.metrics = MetricsLog(self.folder.path)
         self._stack.callback(self.metrics.close)
@@ -239,48 +201,47 @@ class Trainer:
 
     # ---- the run -----------------------------------------------------------------------------------------
 
-    def run(self) -> dict:
+    def run(self) -> RunState:
         c = self.config
-        state = self.state or {"model": str(self.model_dir), "rounds_completed": 0, "policy_version": 0,
-                               "last": None, "best": None, "best_metric": None, "sft_done": False}
-        state["config"] = asdict(c)
-        if state["last"] and c.rounds > state["rounds_completed"]:
-            self._serve(self.folder.path / state["last"], state["policy_version"])
-        elif not state["last"] and (c.rounds or c.sft_tasks) and self.engine.policy_version != 0:
+        state = self.state or RunState(model=str(self.model_dir))
+        state.config = asdict(c)
+        if state.last and c.rounds > state.rounds_completed:
+            self._serve(self.folder.path / state.last, state.policy_version)
+        elif not state.last and (c.rounds or c.sft_tasks) and self.engine.policy_version != 0:
             self.engine.use_base()  # a fresh run starts from the base model, whatever a shared engine served
-        if c.sft_tasks and not state["sft_done"]:
+        if c.sft_tasks and not state.sft_done:
             from lightning_otel.train.sft import drop_partial, warm_start
 
             record = warm_start(self)
             self._checkpoint(state, "sft")
-            state["sft_done"] = True
+            state.sft_done = True
             self._commit(state, {"round": 0, "phase": "sft", **record})
             drop_partial(self.folder.path)
             self.learner.fresh_optimizer()  # GRPO does not inherit SFT's moments (nor does a resumed run)
-        if c.filters_pool and c.rounds > state["rounds_completed"]:
+        if c.filters_pool and c.rounds > state.rounds_completed:
             self.tasks = self.filter_pool(state)
-        if c.val_tasks and c.rounds > state["rounds_completed"] and not state.get("validated_start"):
+        if c.val_tasks and c.rounds > state.rounds_completed and not state.validated_start:
             # The curve's first point: the policy GRPO starts from (the base model, or the SFT warm start).
-            record = {"round": state["rounds_completed"], "phase": "validation",
-                      "policy_version": state["policy_version"], **self.validate(state)}
-            state["validated_start"] = True
+            record = {"round": state.rounds_completed, "phase": "validation",
+                      "policy_version": state.policy_version, **self.validate(state)}
+            state.validated_start = True
             self._commit(state, record)
-        for r in range(state["rounds_completed"], c.rounds):
+        for r in range(state.rounds_completed, c.rounds):
             record = self.train_round(r, state)
             self._checkpoint(state, f"round-{r + 1:04d}")
-            state["rounds_completed"] = r + 1
+            state.rounds_completed = r + 1
             if c.val_tasks and (r + 1) % c.val_every == 0:
                 record.update(self.validate(state))
             self._commit(state, record)
         return state
 
-    def filter_pool(self, state: dict) -> list[Task]:
+    def filter_pool(self, state: RunState) -> list[Task]:
         """The tasks the rounds draw from: those whose pass rate under the policy the rounds start from lies in
         [pool_min_pass, pool_max_pass]. Measured once, before round 1 (n samples of every task at the rollout
         temperature), and kept in pool.jsonl, which a resumed run reads back."""
         c = self.config
         pool_file = self.folder.path / "pool.jsonl"
-        if not state.get("pool_done"):
+        if not state.pool_done:
             started = time.perf_counter()
             summary = self.rollouts(write_tasks(self.tasks, self.folder.path / "rounds" / "pool" / "tasks.jsonl"),
                                     c.n, "pool pass rates", c.temperature, c.max_tokens)
@@ -296,8 +257,8 @@ class Trainer:
                              "kept": rate is not None and c.pool_min_pass <= rate <= c.pool_max_pass})
             write_atomically(pool_file, "".join(json.dumps(row) + "\n" for row in rows))
             rates = [row["pass_rate"] for row in rows if row["pass_rate"] is not None]
-            state["pool_done"] = True
-            self._commit(state, {"round": state["rounds_completed"], "phase": "pool", "pool_tasks": len(rows),
+            state.pool_done = True
+            self._commit(state, {"round": state.rounds_completed, "phase": "pool", "pool_tasks": len(rows),
                                  "pool_kept": sum(row["kept"] for row in rows),
                                  "pool_never": sum(rate == 0 for rate in rates),
                                  "pool_always": sum(rate == 1 for rate in rates),
@@ -317,31 +278,31 @@ class Trainer:
                  c.pool_min_pass, c.pool_max_pass)
         return tasks
 
-    def _checkpoint(self, state: dict, name: str) -> None:
+    def _checkpoint(self, state: RunState, name: str) -> None:
         """Save the policy and the optimizer state as checkpoint `name`, and serve it as the next version."""
         folder = self.folder.checkpoint(name)
         self.learner.save_policy(folder)
         self.learner.save_state(folder / "state")
-        version = state["policy_version"] + 1
+        version = state.policy_version + 1
         (folder / "policy.json").write_text(json.dumps({"policy_version": version}))
-        if self.config.rounds > state["rounds_completed"]:
+        if self.config.rounds > state.rounds_completed:
             self._serve(folder, version)
-        state["previous"], state["last"] = state.get("last"), str(folder.relative_to(self.folder.path))
-        state["policy_version"] = version
+        state.previous, state.last = state.last, str(folder.relative_to(self.folder.path))
+        state.policy_version = version
         if not self.config.val_tasks:
-            state["best"] = state["last"]
+            state.best = state.last
 
-    def _commit(self, state: dict, record: dict) -> None:
+    def _commit(self, state: RunState, record: dict) -> None:
         """Record the finished step: run.json first (the resume point), then the metrics; only then drop the
         previous checkpoint's optimizer state (its policy stays, for evaluation)."""
-        previous = state.pop("previous", None)
+        previous, state.previous = state.previous, None
         self.folder.save(state)
         self.metrics.write(record)
-        if previous and previous != state["last"]:
+        if previous and previous != state.last:
             shutil.rmtree(self.folder.path / previous / "state", ignore_errors=True)
             shutil.rmtree(self.folder.path / previous / "merged", ignore_errors=True)  # a serving copy only
 
-    def train_round(self, r: int, state: dict) -> dict:
+    def train_round(self, r: int, state: RunState) -> dict:
         c = self.config
         torch.manual_seed(c.seed * 100_003 + r)
         tasks_file = write_tasks(round_tasks(self.tasks, r, c.tasks_per_round, c.seed),
@@ -362,7 +323,7 @@ class Trainer:
         mean = sum(rewards) / len(rewards) if rewards else None
         std = (sum((x - mean) ** 2 for x in rewards) / (len(rewards) - 1)) ** 0.5 if len(rewards) > 1 else None
         return {
-            "round": r + 1, "phase": "grpo", "policy_version": state["policy_version"],
+            "round": r + 1, "phase": "grpo", "policy_version": state.policy_version,
             "rollouts": len(summary.results), "rewarded": len(rewards), "reward_mean": mean, "reward_std": std,
             "success_rate": sum(1 for x in rewards if x >= 1.0) / len(rewards) if rewards else None,
             "excluded": dict(account.excluded), "transitions": len(rows),
@@ -391,7 +352,7 @@ class Trainer:
         return {"transitions_per_episode": row["calls"] / row["episodes"] if row["episodes"] else None,
                 "served_policy_versions": [int(v) for v in row["versions"] or []]}
 
-    def validate(self, state: dict) -> dict:
+    def validate(self, state: RunState) -> dict:
         """One rollout of every validation task at `val_temperature` (greedy by default: a policy that did not
         change scores the same, so a move in the curve is the policy's). Accuracy is the share of rollouts whose
         reward reached 1 (a correct answer, for 0/1 rewards such as spider_exec)."""
@@ -401,8 +362,8 @@ class Trainer:
                                 "validation", c.val_temperature, c.max_tokens)
         rewards = summary.rewarded
         mean = sum(rewards) / len(rewards) if rewards else None
-        if state["last"] and mean is not None and (state.get("best_metric") is None or mean > state["best_metric"]):
-            state.update(best=state["last"], best_metric=mean)
+        if state.last and mean is not None and (state.best_metric is None or mean > state.best_metric):
+            state.best, state.best_metric = state.last, mean
         return {"val_reward_mean": mean, "val_accuracy": sum(x >= 1.0 for x in rewards) / len(rewards) if rewards
                 else None, "val_rewarded": len(rewards), "val_rollouts": len(summary.results)}
 
@@ -426,6 +387,6 @@ def zero_variance_groups(results) -> int:
     return sum(1 for values in by_task.values() if len(values) == 1)
 
 
-def train(config: TrainConfig, engine: PolicyEngine | None = None, progress=None) -> dict:
+def train(config: TrainConfig, engine: PolicyEngine | None = None, progress=None) -> RunState:
     with Trainer(config, engine=engine, progress=progress) as trainer:
         return trainer.run()

@@ -75,9 +75,15 @@ def _train(args: argparse.Namespace) -> int:
         if args.db is not None or args.where is not None:
             raise UserError("--db/--where select stored traces for --offline training; online rounds write "
                             "their traces into <output_dir>/traces.duckdb")
+        from lightning_otel.train.run import RunFolder
+
+        saved = RunFolder(Path(config.output_dir)).load()
+        if saved is not None and saved.last:
+            print(f"resuming {config.output_dir} at round {saved.rounds_completed + 1} of {config.rounds}, from "
+                  f"{saved.last} (policy version {saved.policy_version}"
+                  f"{', SFT done' if saved.sft_done else ''})", flush=True)
         state = train(config, progress=StepProgress())
-    print(f"done: {config.output_dir} (policy version {state['policy_version']}, last {state['last']}, "
-          f"best {state['best']})")
+    print(f"done: {config.output_dir} (policy version {state.policy_version}, last {state.last}, best {state.best})")
     print(f"evaluate it: lightning-otel eval --model {config.output_dir} --tasks TASKS --agent CMD --report DIR")
     return 0
 
