@@ -24,24 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from lightning_otel.errors import UserError
 from lightning_otel.eval.metrics import compute_metrics
 from lightning_otel.eval.plots import write_plots
-from lightning_otel.eval.report import (
-    comparison_rows,
-    paired_comparison,
-    read_rounds,
-    read_summary,
-    write_report,
-)
-
-from lightning_otel.errors import UserError
-from lightning_otel.rollouts.runner import (
-    RolloutConfig,
-    RolloutResult,
-    check_inputs,
-    load_tasks,
-    run_rollouts,
-)
+from lightning_otel.eval.report import comparison_rows, paired_comparison, read_rounds, read_summary, write_report
+from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, check_inputs, load_tasks, run_rollouts
 from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.policy import Policy, resolve_policy
 
@@ -113,12 +100,7 @@ def serve_policy(policy: Policy, config: EvalConfig, engine: PolicyEngine | None
     """The engine serving `policy`: the one given (switched to the policy, back on its own base model when a
     trainer left it on merged weights, its policy restored on exit), or one started here on the policy's
     base model."""
-    from lightning_otel.serve.engine import (
-        EngineConfig,
-        EngineError,
-        VLLMEngine,
-        default_engine_python,
-    )
+    from lightning_otel.serve.engine import EngineConfig, EngineError, VLLMEngine, default_engine_python
 
     if engine is None:
         rank = adapter_rank(policy.adapter) if policy.adapter else 8

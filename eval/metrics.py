@@ -21,9 +21,8 @@ import logging
 import math
 from pathlib import Path
 
-from lightning_otel.span_store import client
-
 from lightning_otel.rollouts.packs import TaskPack, bare_pack
+from lightning_otel.span_store import client
 
 log = logging.getLogger(__name__)
 

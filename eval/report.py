@@ -8,14 +8,8 @@ import logging
 from pathlib import Path
 from typing import Iterable
 
-from lightning_otel.eval.metrics import (
-    accuracy_groups,
-    group_field,
-    merged_groups,
-    sign_test_p,
-)
-
 from lightning_otel.errors import UserError
+from lightning_otel.eval.metrics import accuracy_groups, group_field, merged_groups, sign_test_p
 
 log = logging.getLogger(__name__)
 SUMMARY = "summary.json"

@@ -16,9 +16,9 @@ from typing import Callable, Iterator
 import orjson
 import polars as pl
 import pyarrow as pa
-from lightning_otel.span_store import discovery, otlp, otlp_files, store
 
 from lightning_otel.errors import UserError
+from lightning_otel.span_store import discovery, otlp, otlp_files, store
 
 DEFAULT_TIMEOUT_S = 300.0
 

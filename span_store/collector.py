@@ -33,19 +33,15 @@ from typing import Any
 import orjson
 import pyarrow as pa
 from google.rpc import status_pb2
-from lightning_otel.span_store import discovery, otlp, store
-from lightning_otel.span_store.decoding import DecoderPool
-from lightning_otel.span_store.writer import BatchWriter, Busy
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
-    ExportLogsServiceResponse,
-)
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceResponse,
-)
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 import lightning_otel
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
+from lightning_otel.span_store import discovery, otlp, store
+from lightning_otel.span_store.decoding import DecoderPool
+from lightning_otel.span_store.writer import BatchWriter, Busy
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from lightning_otel.span_store import otlp
-
 from lightning_otel.lifetime import parent_death_signal
+from lightning_otel.span_store import otlp
 
 log = logging.getLogger(__name__)
 def decode(signal_name: str, encoding: str, body: bytes) -> otlp.Decoded:

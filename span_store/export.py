@@ -11,9 +11,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
-from lightning_otel.span_store import client
 
 from lightning_otel.errors import UserError
+from lightning_otel.span_store import client
 
 DAY_OF = "strftime(make_timestamp_ns({col}), '%Y-%m-%d')"
 PARTITIONED = {

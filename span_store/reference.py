@@ -3,6 +3,7 @@ cannot drift from the schema. `lightning-otel schema --markdown > docs/schema.md
 from __future__ import annotations
 
 import duckdb
+
 from lightning_otel.span_store import store
 
 SQL_OBJECTS = """

@@ -18,9 +18,9 @@ from typing import Iterator
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
-from lightning_otel.span_store.readonly import check_read_only
 
 from lightning_otel.errors import UserError
+from lightning_otel.span_store.readonly import check_read_only
 
 log = logging.getLogger(__name__)
 

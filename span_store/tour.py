@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 import orjson
+
 from lightning_otel.span_store.collector import Collector, CollectorConfig
 
 QUERIES = [

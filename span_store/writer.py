@@ -15,6 +15,7 @@ from typing import Callable
 
 import duckdb
 import pyarrow as pa
+
 from lightning_otel.span_store import store
 
 log = logging.getLogger(__name__)

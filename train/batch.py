@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_otel.train.transitions.record import Transition
+
 
 @dataclass
 class Batch:
@@ -41,7 +43,7 @@ class Batch:
         return self.targets.shape[1]
 
 
-def collate(rows: list[dict], pad_id: int, rollout_index: dict[str, int] | None = None,
+def collate(rows: list[Transition], pad_id: int, rollout_index: dict[str, int] | None = None,
             prefix_len: int = 0) -> Batch:
     """rows: dicts with prompt_ids, completion_ids, completion_logprobs (may be empty or None),
     loss_mask (None = all 1), advantage (None = 0), rollout_id, and optionally token_advantages (one per
@@ -103,7 +105,7 @@ def common_prefix(a, b, limit: int | None = None) -> int:
     return n
 
 
-def plan_micro_batches(rows: list[dict], micro_batch: int, min_shared: int = 16,
+def plan_micro_batches(rows: list[Transition], micro_batch: int, min_shared: int = 16,
                        max_tokens: int = 0) -> list[tuple[list[int], int]]:
     """Split rows into micro-batches: (row indices, shared prefix length).
 

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_otel.errors import UserError
 from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
 from lightning_otel.train.transitions.credit import ADVANTAGES
-
-from lightning_otel.errors import UserError
 
 
 @dataclass

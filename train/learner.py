@@ -20,12 +20,12 @@ import socket
 from pathlib import Path
 
 import torch
+
+from lightning_otel.serve.engine import native_bf16
 from lightning_otel.train import distributed
 from lightning_otel.train.batch import Batch, completion_logprobs
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.distributed import collective
-
-from lightning_otel.serve.engine import native_bf16
 
 log = logging.getLogger(__name__)
 LORA_TARGETS = "all-linear"

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
 from lightning_otel.train.transitions.credit import EPS
 
 

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
@@ -25,8 +26,6 @@ from lightning_otel.train.optimize import optimize
 from lightning_otel.train.run import RunFolder, RunState
 from lightning_otel.train.sft import sft_rows_from_successes
 from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
-
-from lightning_otel.errors import UserError
 
 log = logging.getLogger(__name__)
 ADVANTAGE_FOR = {"grpo": "batch-baseline", "sft": "none"}
@@ -53,10 +52,9 @@ def selected_rollouts(db: Path, where: str | None) -> set[str] | None:
 
 def train_offline(config: TrainConfig, db: Path, where: str | None = None, objective: str = "grpo",
                   min_reward: float = 1.0, progress: Callable[[str, int, int], None] | None = None) -> RunState:
-    from lightning_otel.train.learner import Learner
-
     from lightning_otel.serve.engine import default_engine_python
     from lightning_otel.serve.model import resolve_model
+    from lightning_otel.train.learner import Learner
 
     advantage = offline_advantage(config, objective)
     if not Path(db).exists():

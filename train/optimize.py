@@ -23,19 +23,14 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+
 from lightning_otel.train import distributed
 from lightning_otel.train.batch import Batch, collate, common_prefix, plan_micro_batches
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.learner import Learner
-from lightning_otel.train.losses import (
-    AGGREGATIONS,
-    TOKEN_RETURNS,
-    LossOutput,
-    grpo_loss,
-    normalise_tokens,
-    sft_loss,
-    token_weights,
-)
+from lightning_otel.train.losses import (AGGREGATIONS, TOKEN_RETURNS, LossOutput, grpo_loss, normalise_tokens, sft_loss,
+                                         token_weights)
+from lightning_otel.train.transitions.record import Transition
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +86,8 @@ def sft_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config:
     return sft_loss(learner.logprobs(batch), weights)
 
 
-def with_token_advantages(learner: Learner, rows: list[dict], config: TrainConfig,
-                          stats: StepStats) -> list[dict]:
+def with_token_advantages(learner: Learner, rows: list[Transition], config: TrainConfig,
+                          stats: StepStats) -> list[Transition]:
     """The rows with `token_advantages` when config.advantage has token returns (losses.TOKEN_RETURNS), else
     as given. One no-grad pass before any update: the reference scores every trained token (with kl > 0),
     the old logprobs are the engine's (the current policy's where none were recorded), and the returns are
@@ -131,7 +126,7 @@ def with_token_advantages(learner: Learner, rows: list[dict], config: TrainConfi
 class Objective:
     loss: Loss
     # Once over a pass's transitions, before its first step: what the loss needs beyond each row's own fields.
-    prepare: Callable[[Learner, list[dict], TrainConfig, StepStats], list[dict]] | None = None
+    prepare: Callable[[Learner, list[Transition], TrainConfig, StepStats], list[Transition]] | None = None
 
 
 OBJECTIVES: dict[str, Objective] = {"grpo": Objective(grpo_objective, with_token_advantages),
@@ -143,7 +138,7 @@ def fits(row: dict, max_length: int) -> bool:
         len(row["prompt_ids"]) + len(row["completion_ids"]) <= max_length
 
 
-def prompt_groups(rows: list[dict], min_shared: int) -> list[list[int]]:
+def prompt_groups(rows: list[Transition], min_shared: int) -> list[list[int]]:
     """Row indices in groups whose prompts, in sorted order, each share with the previous one at least half
     of the shorter prompt and at least `min_shared` tokens (a short common header alone does not count)."""
     order = sorted(range(len(rows)), key=lambda i: list(rows[i]["prompt_ids"]))
@@ -160,8 +155,8 @@ def prompt_groups(rows: list[dict], min_shared: int) -> list[list[int]]:
     return groups
 
 
-def epoch_order(rows: list[dict], rng: random.Random,
-                groups: list[list[int]] | None) -> list[dict]:
+def epoch_order(rows: list[Transition], rng: random.Random,
+                groups: list[list[int]] | None) -> list[Transition]:
     if groups is None:
         shuffled = rows[:]
         rng.shuffle(shuffled)
@@ -173,7 +168,7 @@ def epoch_order(rows: list[dict], rng: random.Random,
     return [rows[i] for members in mixed for i in members]
 
 
-def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective: str, seed: int,
+def optimize(learner: Learner, rows: list[Transition], config: TrainConfig, objective: str, seed: int,
              epochs: int = 1, progress: Callable[[int, int], None] | None = None, start_step: int = 0) -> StepStats:
     """Run `epochs` shuffled passes of optimizer steps over `rows` (transition dicts). `start_step` skips the
     first steps of that same order (the learner's state was saved after them); `progress(step, total)` follows
@@ -209,7 +204,7 @@ def optimize(learner: Learner, rows: list[dict], config: TrainConfig, objective:
     return stats
 
 
-def _step(learner: Learner, rows: list[dict], config: TrainConfig, loss_fn: Loss, stats: StepStats) -> None:
+def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn: Loss, stats: StepStats) -> None:
     rollout_index: dict[str, int] = {}
     full = collate(rows, learner.pad_id, rollout_index)
     scale = AGGREGATIONS[config.aggregation](full.mask.sum(dim=1), full.rollout)

@@ -29,18 +29,14 @@ import time
 from pathlib import Path
 
 import polars as pl
+
+from lightning_otel.errors import UserError
+from lightning_otel.rollouts.runner import Task, check_templates, format_answer, load_tasks
 from lightning_otel.span_store import client
 from lightning_otel.train.optimize import optimize
 from lightning_otel.train.run import write_atomically
 from lightning_otel.train.trainer import write_tasks
-
-from lightning_otel.errors import UserError
-from lightning_otel.rollouts.runner import (
-    Task,
-    check_templates,
-    format_answer,
-    load_tasks,
-)
+from lightning_otel.train.transitions.record import Transition
 
 log = logging.getLogger(__name__)
 SQL_PROMPTS = """
@@ -76,7 +72,7 @@ def target_ids(tokenizer, text: str) -> list[int]:
 
 
 def demonstration_rows(walked: dict[str, str], tasks: dict, labels: list[str], prompts: dict[str, list[list[int]]],
-                       tokenizer, untrained: list[int] = ()) -> tuple[list[dict], int]:
+                       tokenizer, untrained: list[int] = ()) -> tuple[list[Transition], int]:
     """SFT rows from the walked rollouts (task id -> rollout id), one per answered call (its prompt, its
     label + end of turn) except the `untrained` calls, and how many rollouts made fewer calls than there are
     labels (the agent stopped or failed early; the calls it made are kept)."""
@@ -162,14 +158,14 @@ def warm_start(trainer) -> dict:
             "optimizer_steps_total": trainer.learner.engine.global_steps, **stats.summary()}
 
 
-def rows_digest(rows: list[dict]) -> str:
+def rows_digest(rows: list[Transition]) -> str:
     digest = hashlib.sha256()
     for row in rows:
         digest.update(json.dumps([row["prompt_ids"], row["completion_ids"]]).encode())
     return digest.hexdigest()
 
 
-def save_partial(trainer, rows: list[dict], step: int) -> None:
+def save_partial(trainer, rows: list[Transition], step: int) -> None:
     """The learner's state after `step` SFT steps, into the slot the last save did not use (a kill during this
     save leaves that one whole), then rounds/sft/trained.json pointing at it."""
     slot = f"checkpoints/sft-partial-{step // trainer.config.sft_save_steps % 2}"
@@ -178,7 +174,7 @@ def save_partial(trainer, rows: list[dict], step: int) -> None:
                      json.dumps({"steps": step, "state": f"{slot}/state", "rows": rows_digest(rows)}))
 
 
-def resume_training(trainer, rows: list[dict]) -> int:
+def resume_training(trainer, rows: list[Transition]) -> int:
     """The SFT steps an earlier, killed attempt saved on these same rows (their state loaded), else 0."""
     record = trainer.folder.path / "rounds" / "sft" / "trained.json"
     if not record.is_file():
@@ -199,6 +195,6 @@ def drop_partial(run: Path) -> None:
     (run / "rounds" / "sft" / "trained.json").unlink(missing_ok=True)
 
 
-def sft_rows_from_successes(frame: pl.DataFrame, threshold: float) -> list[dict]:
+def sft_rows_from_successes(frame: pl.DataFrame, threshold: float) -> list[Transition]:
     """Transitions of rollouts whose reward is at least `threshold`, as SFT examples (their own tokens)."""
     return frame.filter(pl.col("reward") >= threshold).to_dicts()

@@ -30,17 +30,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from lightning_otel.errors import UserError
+from lightning_otel.rollouts.packs import pack_for_reward
+from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
+from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
 from lightning_otel.train.optimize import optimize
 from lightning_otel.train.run import RunFolder, RunState, check_resume, write_atomically
 from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
-
-from lightning_otel.errors import UserError
-from lightning_otel.rollouts.packs import pack_for_reward
-from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
-from lightning_otel.serve.engine import PolicyEngine
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,10 @@ class Trainer:
         self.db = self.folder.path / "traces.duckdb"
 
     def __enter__(self) -> "Trainer":
-        from lightning_otel.span_store.collector import Collector, private_config
-        from lightning_otel.train.learner import Learner
-
         from lightning_otel.serve.engine import default_engine_python
         from lightning_otel.serve.model import resolve_model
+        from lightning_otel.span_store.collector import Collector, private_config
+        from lightning_otel.train.learner import Learner
 
         c = self.config
         self.folder.path.mkdir(parents=True, exist_ok=True)
@@ -186,10 +185,7 @@ class Trainer:
 
     def _agent_worker(self):
         """For an agent function: one worker process for every rollout of the run (None for a command)."""
-        from lightning_otel.capture.agent_fn import (
-            load_agent_function,
-            parse_agent_function,
-        )
+        from lightning_otel.capture.agent_fn import load_agent_function, parse_agent_function
         from lightning_otel.rollouts.runner import start_agent_worker
 
         if self._worker is None and (agent := parse_agent_function(self.config.agent)) is not None:

@@ -34,11 +34,7 @@ from typing import Any, Callable
 
 from opentelemetry import trace
 
-from lightning_otel.capture.agent_fn import (
-    LLM,
-    load_agent_function,
-    parse_agent_function,
-)
+from lightning_otel.capture.agent_fn import LLM, load_agent_function, parse_agent_function
 from lightning_otel.capture.context import rollout
 from lightning_otel.errors import UserError
 

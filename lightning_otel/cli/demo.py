@@ -100,11 +100,7 @@ def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | Non
     """Returns {"folder", "before", "after", "run"}: the two eval summaries and the run's state."""
     from lightning_otel.capture.distro import ONLY_ENV
     from lightning_otel.eval import EvalConfig, evaluate
-    from lightning_otel.serve.engine import (
-        EngineConfig,
-        VLLMEngine,
-        default_engine_python,
-    )
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
     from lightning_otel.serve.model import resolve_model
     from lightning_otel.train.config import TrainConfig
     from lightning_otel.train.trainer import train

@@ -12,10 +12,7 @@ from lightning_otel.errors import UserError
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from lightning_otel.train.transitions.compile import (
-        CompileConfig,
-        compile_transitions,
-    )
+    from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 
     model = None if args.model.lower() == "none" else args.model
     frame, account = compile_transitions(CompileConfig(db=args.db, reward=args.reward, gamma=args.gamma,

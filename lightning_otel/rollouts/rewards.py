@@ -24,10 +24,7 @@ def resolve_reward(spec: str) -> RewardFunction:
     if ":" not in spec:
         pack = pack_for_reward(spec)  # UserError for a name no pack registers
         return pack.rewards[spec]  # type: ignore[union-attr]
-    from lightning_otel.capture.agent_fn import (
-        load_agent_function,
-        parse_agent_function,
-    )
+    from lightning_otel.capture.agent_fn import load_agent_function, parse_agent_function
 
     in_file = parse_agent_function(spec)
     if in_file is not None and in_file.is_file:

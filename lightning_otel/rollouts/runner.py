@@ -48,21 +48,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from lightning_otel.capture.agent_fn import (
-    AgentFunction,
-    load_agent_function,
-    parse_agent_function,
-)
+from lightning_otel.capture.agent_fn import AgentFunction, load_agent_function, parse_agent_function
 from lightning_otel.capture.context import new_rollout_id
 from lightning_otel.errors import UserError
 from lightning_otel.lifetime import parent_death_signal
 from lightning_otel.rollouts.environment import agent_environment, capture_environment
-from lightning_otel.rollouts.packs import (
-    TaskPack,
-    load_pack,
-    pack_for_reward,
-    pack_names,
-)
+from lightning_otel.rollouts.packs import TaskPack, load_pack, pack_for_reward, pack_names
 from lightning_otel.rollouts.rewards import call_reward, resolve_reward
 from lightning_otel.serve.engine import PolicyEngine
 
@@ -490,16 +481,8 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
 
 def start_gateway(config: RolloutConfig, collector_info, engine, owned):
     """The gateway over `engine`, or over a vLLM engine started here on config.model (bundled by default)."""
-    from lightning_otel.serve.engine import (
-        EngineConfig,
-        VLLMEngine,
-        default_engine_python,
-    )
-    from lightning_otel.serve.gateway import (
-        Gateway,
-        GatewayConfig,
-        template_renders_tools,
-    )
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
     from lightning_otel.serve.model import resolve_model
 
     if engine is None:

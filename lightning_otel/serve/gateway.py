@@ -40,14 +40,8 @@ from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
 from lightning_otel.serve.engine import Engine, EngineError
-from lightning_otel.serve.request_checks import (
-    OFF_POLICY_MODES,
-    BadRequest,
-    check_chat,
-    check_common,
-    forced_tool,
-    off_policy_params,
-)
+from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_common, forced_tool,
+                                                 off_policy_params)
 from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)

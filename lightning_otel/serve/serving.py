@@ -26,16 +26,8 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
                  engine: PolicyEngine | None = None) -> None:
     """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on 127.0.0.1:port. An engine
     already running on the policy's base model may be given instead of starting one."""
-    from lightning_otel.serve.engine import (
-        EngineConfig,
-        VLLMEngine,
-        default_engine_python,
-    )
-    from lightning_otel.serve.gateway import (
-        Gateway,
-        GatewayConfig,
-        template_renders_tools,
-    )
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
     from lightning_otel.span_store import discovery
     from lightning_otel.span_store.collector import Collector, private_config
 

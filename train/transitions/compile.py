@@ -25,26 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
-from lightning_otel.span_store import client
-from lightning_otel.train.transitions import trajectories
-from lightning_otel.train.transitions.credit import (
-    ADVANTAGES,
-    EPS,
-    Call,
-    Reward,
-    discounted_returns,
-)
-from lightning_otel.train.transitions.retokenize import Drift
-from lightning_otel.train.transitions.trajectories import (
-    SQL_CALLS,
-    SQL_COMPUTED_EPISODE_REWARDS,
-    SQL_EPISODE_REWARDS,
-    SQL_REWARD_NAMES,
-    SQL_ROLLOUTS,
-    attach_tokens,
-)
 
 from lightning_otel.errors import UserError
+from lightning_otel.span_store import client
+from lightning_otel.train.transitions import trajectories
+from lightning_otel.train.transitions.credit import ADVANTAGES, EPS, Call, Reward, discounted_returns
+from lightning_otel.train.transitions.record import check_transitions
+from lightning_otel.train.transitions.retokenize import Drift
+from lightning_otel.train.transitions.trajectories import (SQL_CALLS, SQL_COMPUTED_EPISODE_REWARDS, SQL_EPISODE_REWARDS,
+                                                           SQL_REWARD_NAMES, SQL_ROLLOUTS, attach_tokens)
 
 # Rewards on inner spans: when each was received (its target's end) and its scope, the target's nearest
 # agent/task/node span, the target itself included (a reward on a sub-agent's span is about that sub-agent).
@@ -228,7 +217,7 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
     if config.merge_turns:
         out = merge_turns(out, account.not_merged)
     account.transitions = out.height
-    return out, account
+    return check_transitions(out), account
 
 
 def merge_turns(frame: pl.DataFrame, not_merged: Counter) -> pl.DataFrame:

@@ -13,13 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 import polars as pl
-from lightning_otel.train.transitions.retokenize import (
-    ChatTokenizer,
-    Drift,
-    measure_drift,
-)
 
 from lightning_otel.errors import UserError
+from lightning_otel.train.transitions.retokenize import ChatTokenizer, Drift, measure_drift
 
 log = logging.getLogger(__name__)
 Read = Callable[[str], pl.DataFrame]  # one read statement -> rows (span_store.client.reading)

@@ -12,17 +12,8 @@ import shutil
 from pathlib import Path
 
 from lightning_otel.rollouts.packs import TaskPack
-from lightning_otel.tasks.spider.outcomes import (
-    HARDNESS_ORDER,
-    OUTCOME_CLASSES,
-    classify,
-)
-from lightning_otel.tasks.spider.rewards import (
-    bundled_data_dir,
-    database_path,
-    spider_exec,
-    spider_shaped,
-)
+from lightning_otel.tasks.spider.outcomes import HARDNESS_ORDER, OUTCOME_CLASSES, classify
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec, spider_shaped
 
 
 def check_task(task: dict, data_dir: Path | None) -> str | None:

@@ -11,13 +11,7 @@ import re
 import sqlite3
 from pathlib import Path
 
-from lightning_otel.tasks.spider.rewards import (
-    QueryTimeout,
-    bundled_data_dir,
-    database_path,
-    extract_sql,
-    run_query,
-)
+from lightning_otel.tasks.spider.rewards import QueryTimeout, bundled_data_dir, database_path, extract_sql, run_query
 
 OUTCOME_CLASSES = {  # name -> meaning, in report order
     "wrong_result": "the final SQL runs but returns other rows",
