@@ -13,6 +13,7 @@ import sys
 
 from lightning_otel import __version__
 from lightning_otel.cli import capture, demo, evaluate, policy, rollouts, store, train
+from lightning_otel.cli.quiet import quiet_third_parties
 from lightning_otel.errors import UserError
 
 GROUPS = (store, capture, rollouts, train, evaluate, policy, demo)
@@ -23,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lightning-otel",
         description="Train existing LLM agents with RL from their OpenTelemetry traces.")
     parser.add_argument("--version", action="version", version=f"lightning-otel {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log more, and show other libraries' warnings and progress bars (hidden by default)")
     # DeepSpeed's launcher passes --local_rank=N first; the rank is read from LOCAL_RANK/RANK instead.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        quiet_third_parties()
     try:
         return args.func(args)
     except UserError as exc:
