@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_otel.train.transitions.credit import ADVANTAGES
+from lightning_otel.train.losses import TOKEN_RETURNS
+from lightning_otel.train.transitions.credit import ADVANTAGE_ALIASES, ADVANTAGES
 
 KNOBS = ("lr", "lora_rank", "epochs", "batch_size", "micro_batch", "max_tokens", "temperature", "concurrency",
          "seed", "autocast", "advantage", "kl")
@@ -22,12 +23,14 @@ def add_knobs(p: argparse.ArgumentParser, *, lr: float, epochs: int, batch_size:
     p.add_argument("--concurrency", type=int, default=concurrency)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--autocast", action="store_true", help="bf16 forward passes (CPUs with bf16 instructions)")
-    p.add_argument("--advantage", default="per-rollout", choices=sorted(ADVANTAGES),
-                   help="train/transitions/credit.py; reinforce_pp: REINFORCE++ (global baseline, KL penalty in the rewards)")
+    p.add_argument("--advantage", default="per-rollout", choices=sorted([*ADVANTAGES, *ADVANTAGE_ALIASES]),
+                   help="train/transitions/credit.py; reinforce-pp: REINFORCE++ (global baseline, KL in the rewards)")
     p.add_argument("--kl", type=float, default=0.0,
-                   help="k3 KL term to the reference; with --advantage reinforce_pp, beta of the KL penalty")
+                   help="the KL coefficient: kl_loss (k3 term to the reference), or kl_reward with reinforce-pp")
 
 
 def knob_settings(args: argparse.Namespace) -> dict:
     """The TrainConfig fields of the shared knobs, from parsed arguments."""
-    return {k: getattr(args, k) for k in KNOBS}
+    settings = {k: getattr(args, k) for k in KNOBS if k != "kl"}
+    settings["kl_reward" if args.advantage in TOKEN_RETURNS else "kl_loss"] = args.kl
+    return settings

@@ -1,7 +1,7 @@
 """Learning-loop check: does GRPO move the reward it is given, on a fixed pool of tasks, and only that way?
 
     .venv/bin/python benchmarks/learning_check.py --out /tmp/loop [--rounds 10] [--pool 4] [-n 4] [--autocast]
-        [--advantage reinforce_pp --kl 0.05]   # REINFORCE++ instead of GRPO's per-rollout advantage
+        [--advantage reinforce-pp --kl 0.05]   # REINFORCE++ instead of GRPO's per-rollout advantage
 
 Two runs from the same base model, side by side on one engine, with a one-call SQL agent (one_call_sql.py: the
 first turn of the plain-OpenAI example; `--agent openai_sql` runs the three-turn example itself), an agent

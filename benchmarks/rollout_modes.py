@@ -56,7 +56,7 @@ def one_run(mode: str, tasks: Path, n: int, db: Path, engine, args, worker=None)
     from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 
     config = RolloutConfig(tasks=tasks, agent=MODES[mode], n=n, concurrency=args.concurrency, db=db,
-                           reward="spider_exec", timeout_s=600, temperature=0.0, max_tokens=args.max_tokens)
+                           reward="spider_exec", rollout_timeout_s=600, temperature=0.0, max_tokens=args.max_tokens)
     started = time.perf_counter()
     summary = run_rollouts(config, engine=engine, worker=worker if mode == "kept" else None)
     seconds = time.perf_counter() - started

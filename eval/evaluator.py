@@ -43,14 +43,14 @@ class EvalConfig:
     reward: str = ""                     # a reward a task pack registers (spider_exec, number_match) or module:function
     task_pack: str | None = None         # default: the pack that registers `reward`
     model: str = "base"
-    n: int = 1
+    n: int = 4                           # samples per task (one default for every command)
     baseline: Path | None = None
     db: Path | None = None               # default: <report>/traces.duckdb
     data_dir: Path | None = None         # the task pack's data folder; default: the pack's own
     max_tokens: int | None = None        # cap on each generation, whatever the agent asks
     temperature: float | None = None     # forced on every request (0 = greedy); None: the agent's own
     concurrency: int = 2
-    timeout_s: float = 300.0
+    rollout_timeout_s: float = 300.0     # seconds one rollout may run before it is killed
     engine_python: str | None = None     # Python that runs vLLM; default: the project's engine venv
 
     def __post_init__(self) -> None:
@@ -59,24 +59,24 @@ class EvalConfig:
         self.data_dir = Path(self.data_dir) if self.data_dir else None
         self.baseline = Path(self.baseline) if self.baseline else None
         if not self.tasks.is_file():
-            raise UserError(f"--tasks {self.tasks}: no such file; give a JSONL task file (one object per line)")
+            raise UserError(f"tasks = {self.tasks}: no such file; give a JSONL task file (one object per line)")
         if not str(self.reward).strip():
             raise UserError("reward is not set: an evaluation scores each rollout with a reward function; set "
                             "reward to a name a task pack registers (spider_exec, number_match) or to "
                             "module:function")
         if not str(self.model).strip():
-            raise UserError("--model is empty: give 'base', a run folder, a checkpoint, an adapter or a model folder")
+            raise UserError("model is empty: give 'base', a run folder, a checkpoint, an adapter or a model folder")
         if self.n < 1:
-            raise UserError(f"-n {self.n}: the number of samples per task must be at least 1")
+            raise UserError(f"n = {self.n}: the number of samples per task must be at least 1")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise UserError(f"--max-tokens {self.max_tokens} must be at least 1")
+            raise UserError(f"max_tokens = {self.max_tokens}: must be at least 1")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
-            raise UserError(f"--temperature {self.temperature} must be in [0, 2]")
+            raise UserError(f"temperature = {self.temperature}: must be in [0, 2]")
         if self.report.exists() and not self.report.is_dir():
-            raise UserError(f"--report {self.report} is a file; give a folder for the report")
+            raise UserError(f"report = {self.report} is a file; give a folder for the report")
         if self.baseline is not None and not (self.baseline / "summary.json").is_file():
-            raise UserError(f"--baseline {self.baseline}: no summary.json there; give the --report folder of an "
-                            f"earlier `lightning-otel eval`")
+            raise UserError(f"baseline = {self.baseline}: no summary.json there; give the report folder of an "
+                            f"earlier evaluation")
         if self.data_dir is not None and not self.data_dir.is_dir():
             raise UserError(f"data_dir {self.data_dir} is not a folder")
 
@@ -152,7 +152,7 @@ def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
     rollout_config = RolloutConfig(tasks=config.tasks, agent=config.agent, n=config.n,
                                    concurrency=config.concurrency, db=config.db, reward=config.reward,
                                    task_pack=config.task_pack,
-                                   data_dir=config.data_dir, timeout_s=config.timeout_s,
+                                   data_dir=config.data_dir, rollout_timeout_s=config.rollout_timeout_s,
                                    max_tokens=config.max_tokens, temperature=config.temperature)
     tasks = load_tasks(config.tasks)
     check_inputs(rollout_config, tasks)  # bad tasks or commands fail before an engine starts

@@ -66,7 +66,7 @@ def test_transitions_and_accounting(store):
     assert account.rollouts == 8 and account.compiled_rollouts == 2 and account.transitions == 3
     assert dict(account.excluded) == {"rollout failed": 1, "no reward": 1, "no LLM call": 1, "zero-variance group": 2,
                                       "LLM call without a token record (no tokenizer to re-tokenise it with: give "
-                                      "--model)": 1}
+                                      "--tokenizer)": 1}
     assert account.zero_variance_groups == 1  # t2 (t3 has no rollout left)
     assert account.transitions_per_episode == 1.5
     r1 = out.filter(pl.col("rollout_id") == "r1").sort("turn").to_dicts()
@@ -91,7 +91,7 @@ def test_compiling_chosen_rollouts_accounts_for_them_alone(store):
 
 
 def test_reinforce_pp_keeps_the_zero_variance_group_and_uses_one_batch_baseline(store):
-    out, account = compile_transitions(CompileConfig(db=store, advantage="reinforce_pp"))
+    out, account = compile_transitions(CompileConfig(db=store, advantage="reinforce-pp"))
     assert sorted(out["rollout_id"].unique().to_list()) == ["r1", "r2", "r3", "r4"]  # t2 (r3, r4 both 1) kept
     assert account.zero_variance_groups == 0 and "zero-variance group" not in account.excluded
     # Five transitions of two tokens, returns 1 1 0 1 1: tokens mean 0.8, sample variance (8 * 0.04 + 2 * 0.64) / 9.
@@ -129,16 +129,16 @@ def test_cli_and_bad_options(store, tmp_path, capsys):
     # r7's second call has neither a token record nor recorded messages to re-tokenise.
     assert "excluded: 1 rollout(s): LLM call without a token record and no recorded messages to re-tokenise" \
         in printed
-    assert main(["compile", "--db", str(store), "--out", str(target), "--model", "none"]) == 0
-    assert "LLM call without a token record (no tokenizer to re-tokenise it with: give --model)" in \
+    assert main(["compile", "--db", str(store), "--out", str(target), "--tokenizer", "none"]) == 0
+    assert "LLM call without a token record (no tokenizer to re-tokenise it with: give --tokenizer)" in \
         capsys.readouterr().out
-    for config, needle in [(dict(gamma=0), "--gamma"), (dict(advantage="x"), "--advantage"),
-                           (dict(agents="("), "regular expression"), (dict(max_length=1), "--max-length"),
-                           (dict(model=tmp_path), "no tokenizer there"), (dict(drift=True), "--drift needs")]:
+    for config, needle in [(dict(gamma=0), "gamma = 0"), (dict(advantage="x"), "advantage 'x'"),
+                           (dict(agents="("), "regular expression"), (dict(max_length=1), "max_length = 1"),
+                           (dict(model=tmp_path), "no tokenizer there"), (dict(drift=True), "drift needs")]:
         with pytest.raises(UserError, match=needle):
             CompileConfig(db=store, **config)
     client.write_records(store, "rewards", [{"rollout_id": "r1", "name": "other", "value": 1.0, "source": "function"}])
-    with pytest.raises(UserError, match="choose one with --reward"):
+    with pytest.raises(UserError, match="choose one"):
         compile_transitions(CompileConfig(db=store))
 
 
@@ -168,7 +168,7 @@ def test_turn_level_term_on_hand_computed_groups():
 
 
 def test_turn_weight_needs_intermediate_rewards(store):
-    with pytest.raises(UserError, match="--intermediate"):
+    with pytest.raises(UserError, match="intermediate"):
         CompileConfig(db=store, turn_weight=0.1)
 
 

@@ -69,7 +69,7 @@ def test_groups_are_task_and_policy_version_and_flat_groups_are_dropped():
                   ("c", "t", 1, 0, 1.0, 1.0), ("d", "t", 1, 0, 1.0, 1.0),  # version 1: no variance
                   ("e", "u", 0, 0, 0.5, 0.5)])  # alone in its group
     for name, fn in ADVANTAGES.items():
-        if name in ("none", "reinforce_pp"):
+        if name in ("none", "reinforce-pp"):
             continue  # keep everything by definition (supervised selection; a batch baseline), tested below
         out, flat = fn(data)
         assert sorted(out["rollout_id"].to_list()) == ["a", "b"], name
@@ -115,7 +115,7 @@ def test_reinforce_pp_normalises_over_the_whole_batch_and_keeps_flat_groups():
     # every transition counts once. Returns 1, 0, 1, 1: mean 0.75, sample std sqrt(0.75 / 3) = 0.5.
     data = frame([("a", "t", 0, 0, 1.0, 1.0), ("b", "t", 0, 0, 0.0, 0.0),
                   ("c", "u", 0, 0, 1.0, 1.0), ("d", "u", 0, 0, 1.0, 1.0)])
-    out, flat = ADVANTAGES["reinforce_pp"](data)
+    out, flat = ADVANTAGES["reinforce-pp"](data)
     assert flat == 0 and sorted(out["rollout_id"].to_list()) == ["a", "b", "c", "d"]
     adv = dict(zip(out["rollout_id"], out["advantage"]))
     assert [adv[k] for k in "abcd"] == pytest.approx([0.25 / (0.5 + EPS), -0.75 / (0.5 + EPS),
@@ -127,10 +127,10 @@ def test_reinforce_pp_counts_each_transition_by_its_completion_tokens():
     # (3 * (1/3)^2 + (2/3)^2 + 2 * (1/6)^2) / 5 = (5/6) / 5 = 1/6. The return column is used, not the reward.
     data = pl.DataFrame({"rollout_id": ["a", "b", "c"], "task_id": ["t", "t", "u"], "policy_version": [0, 0, 0],
                          "reward": [9.0, 9.0, 9.0], "return": [1.0, 0.0, 0.5], "completion_len": [3, 1, 2]})
-    out, flat = ADVANTAGES["reinforce_pp"](data)
+    out, flat = ADVANTAGES["reinforce-pp"](data)
     std = math.sqrt(1 / 6)
     assert flat == 0
     assert out["advantage"].to_list() == pytest.approx([(1 / 3) / (std + EPS), (-2 / 3) / (std + EPS),
                                                         (-1 / 6) / (std + EPS)])
-    alone, _ = ADVANTAGES["reinforce_pp"](data.head(1).with_columns(pl.lit(1).alias("completion_len")))
+    alone, _ = ADVANTAGES["reinforce-pp"](data.head(1).with_columns(pl.lit(1).alias("completion_len")))
     assert alone["advantage"].to_list() == [0.0]  # one token: no spread

@@ -52,7 +52,7 @@ def base_eval(engine, tmp_path_factory):
     folder = tmp_path_factory.mktemp("eval-base")
     tasks = write_tasks(folder / "tasks.jsonl", spider_tasks(["easy", "easy", "medium", "hard", "extra"]))
     config = EvalConfig(tasks=tasks, agent=AGENT, report=folder / "report", model="base", n=1, reward=REWARD,
-                        max_tokens=MAX_TOKENS, timeout_s=240, concurrency=5)
+                        max_tokens=MAX_TOKENS, rollout_timeout_s=240, concurrency=5)
     before = (engine.model_name, engine.policy_version)
     result = evaluate(config, engine=engine)
     assert (engine.model_name, engine.policy_version) == before
@@ -194,7 +194,7 @@ def test_eval_of_a_run_serves_its_best_checkpoint_and_compares_with_a_baseline(e
     tasks = write_tasks(tmp_path / "tasks.jsonl", spider_tasks(["easy", "medium"]))
     before = (engine.model_name, engine.policy_version)
     config = EvalConfig(tasks=tasks, agent=AGENT, report=tmp_path / "report", model=str(run), n=1, reward=REWARD,
-                        max_tokens=24, baseline=base_config.report, timeout_s=240)
+                        max_tokens=24, baseline=base_config.report, rollout_timeout_s=240)
     summary = evaluate(config, engine=engine).summary
     assert (engine.model_name, engine.policy_version) == before  # the shared engine is left as found
 
@@ -317,7 +317,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     empty.write_text("\n")
     with pytest.raises(UserError, match="has no tasks"):
         evaluate(EvalConfig(tasks=empty, agent=AGENT, report=tmp_path / "r", reward=REWARD))
-    with pytest.raises(UserError, match="--tasks .*nope.jsonl: no such file"):
+    with pytest.raises(UserError, match="tasks = .*nope.jsonl: no such file"):
         EvalConfig(tasks=tmp_path / "nope.jsonl", agent=AGENT, report=tmp_path / "r", reward=REWARD)
     tasks = write_tasks(tmp_path / "t.jsonl", spider_tasks(["easy"]))
     with pytest.raises(UserError, match="no summary.json"):

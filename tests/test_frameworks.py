@@ -166,7 +166,7 @@ def test_agent_functions_run_in_the_worker(name, engine, tmp_path):
     db = tmp_path / "traces.duckdb"
     summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{REPO / 'examples' / name / 'agent.py'}:run", n=2,
                                          concurrency=4, db=db, reward="spider_shaped", temperature=0.7,
-                                         max_tokens=48, timeout_s=300), engine=engine)
+                                         max_tokens=48, rollout_timeout_s=300), engine=engine)
     assert [r.status for r in summary.results] == ["ok"] * 4, summary.results
     assert {r.reward for r in summary.results} <= set(SHAPED.values()) | {1.0}
     for result in summary.results:

@@ -39,7 +39,7 @@ def singer_tasks(count: int) -> list[dict]:
 
 def by_task_config(tasks: Path, db: Path, **kw) -> RolloutConfig:
     defaults = dict(tasks=tasks, agent=f"{HELPERS}:by_task", n=1, concurrency=1, db=db, base_url=NOWHERE,
-                    reward="spider_exec", timeout_s=20)
+                    reward="spider_exec", rollout_timeout_s=20)
     defaults.update(kw)
     return RolloutConfig(**defaults)
 
@@ -103,7 +103,7 @@ def transitions(db: Path, sub_id: str, fn_id: str) -> dict[str, list[dict]]:
 
 def test_in_process_records_match_the_subprocess_mode(engine, db_path, tmp_path):
     tasks = write_tasks(tmp_path / "tasks.jsonl", singer_tasks(1))
-    common = dict(tasks=tasks, n=1, concurrency=1, db=db_path, reward="spider_exec", timeout_s=180,
+    common = dict(tasks=tasks, n=1, concurrency=1, db=db_path, reward="spider_exec", rollout_timeout_s=180,
                   temperature=0.0, max_tokens=48)
     command = f"{sys.executable} {EXAMPLE} --question {{question}} --db {{db_path}} --model {{model}}"
     sub = run_rollouts(RolloutConfig(agent=command, **common), engine=engine).results[0]
@@ -145,7 +145,7 @@ def test_in_process_records_match_the_subprocess_mode(engine, db_path, tmp_path)
 def test_concurrent_calls_in_one_worker_keep_their_rollouts_apart(engine, db_path, tmp_path):
     tasks = write_tasks(tmp_path / "tasks.jsonl", singer_tasks(3))
     summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{HELPERS}:chatty", n=2, concurrency=3, db=db_path,
-                                         timeout_s=180, max_tokens=4), engine=engine)
+                                         rollout_timeout_s=180, max_tokens=4), engine=engine)
     assert [r.status for r in summary.results] == ["ok"] * 6
     assert all(r.final_output == f"{r.rollout_id} 2" for r in summary.results)
     ids = {r.rollout_id for r in summary.results}
@@ -182,7 +182,7 @@ def test_a_raise_a_hang_and_a_dead_worker_are_recorded_and_the_rest_still_runs(d
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "db_id": "singer", "question": i,
                                                      "query": "SELECT count(*) FROM singer"} for i in order])
     started = time.monotonic()
-    summary = run_rollouts(by_task_config(tasks, db_path, timeout_s=4))
+    summary = run_rollouts(by_task_config(tasks, db_path, rollout_timeout_s=4))
     assert time.monotonic() - started < 120
     by_id = {r.task_id: r for r in summary.results}
     assert sorted(by_id) == sorted(order)
@@ -234,7 +234,7 @@ def test_the_worker_dies_with_a_sigkilled_runner(db_path, tmp_path):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": "sleep", "pid_file": str(pid_file)}])
     script = ("import sys\nfrom lightning_otel.rollouts.runner import RolloutConfig, run_rollouts\n"
               "run_rollouts(RolloutConfig(tasks=sys.argv[1], agent=sys.argv[2], n=1, db=sys.argv[3], "
-              f"base_url={NOWHERE!r}, timeout_s=600))\n")
+              f"base_url={NOWHERE!r}, rollout_timeout_s=600))\n")
     runner = subprocess.Popen([sys.executable, "-c", script, str(tasks), f"{HELPERS}:sleeper", str(db_path)],
                               start_new_session=True)
     try:

@@ -88,7 +88,7 @@ def test_reinforce_pp_token_returns_carry_the_kl_penalty_and_the_return_at_the_l
     old = torch.tensor([[-1.0, -2.0, -0.5], [nan, -1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.0, -0.5], [nan, -2.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
-    returns = TOKEN_RETURNS["reinforce_pp"](old, ref, torch.tensor([1.0, 0.0]), mask, 0.1)
+    returns = TOKEN_RETURNS["reinforce-pp"](old, ref, torch.tensor([1.0, 0.0]), mask, 0.1)
     assert returns[0].tolist() == pytest.approx([1.05, 1.1, 1.0])
     assert returns[1, 1:].tolist() == pytest.approx([-0.1, 0.0])
     # The trained tokens 1.05 1.1 1.0 -0.1 0.0: mean 0.61, squared deviations .1936 .2401 .1521 .5041 .3721
@@ -112,7 +112,7 @@ def test_reinforce_pp_without_kl_is_the_sequence_advantage_on_every_token():
     # gets its transition's advantage from credit.py.
     frame = pl.DataFrame({"rollout_id": ["a", "b", "c"], "task_id": ["t", "t", "u"], "policy_version": [0, 0, 0],
                           "return": [1.0, 0.0, 0.5], "completion_len": [3, 1, 2]})
-    sequence = ADVANTAGES["reinforce_pp"](frame)[0]["advantage"].to_list()
+    sequence = ADVANTAGES["reinforce-pp"](frame)[0]["advantage"].to_list()
     mask_ab = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]])
     mask_c = torch.tensor([[1.0, 1.0]])
     ab = kl_penalised_returns(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([1.0, 0.0]), mask_ab, 0.0)

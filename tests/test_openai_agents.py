@@ -105,7 +105,7 @@ def test_the_agent_function_runs_in_the_worker_with_one_record_per_request(engin
     db = tmp_path / "traces.duckdb"
     summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{EXAMPLE / 'agent.py'}:run", n=2, concurrency=6,
                                          db=db, reward=f"{EXAMPLE / 'reward.py'}:shaped", temperature=0.5,
-                                         max_tokens=48, timeout_s=240), engine=engine)
+                                         max_tokens=48, rollout_timeout_s=240), engine=engine)
     assert [r.status for r in summary.results] == ["ok"] * 6
     assert all(r.reward in (0.0, 0.6, 1.0) or 0.1 <= r.reward <= 0.4 for r in summary.results), summary.results
     for result in summary.results:
@@ -136,7 +136,7 @@ def test_eval_scores_the_math_agent_with_the_math_pack(engine, tmp_path):
     tasks.write_text("".join(json.dumps(r) + "\n" for r in problems.make("test", 3, 0)))
     result = evaluate(EvalConfig(tasks=tasks, agent=f"{EXAMPLE / 'agent.py'}:run", reward="number_match",
                                  report=tmp_path / "report", max_tokens=48, temperature=0.0, concurrency=3,
-                                 timeout_s=240), engine=engine)
+                                 rollout_timeout_s=240), engine=engine)
     summary = result.summary
     assert summary["reward"] == "number_match" and summary["task_pack"] == "math"
     assert summary["rollouts"] == 3 and summary["accuracy"]["overall"]["scored"] == 3

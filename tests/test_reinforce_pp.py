@@ -1,4 +1,4 @@
-"""REINFORCE++ in the trainer (`advantage = "reinforce_pp"`): the configuration, the pass that gives every
+"""REINFORCE++ in the trainer (`advantage = "reinforce-pp"`): the configuration, the pass that gives every
 transition its token advantages before the steps (train/optimize.py), and one real update step on the bundled
 SmolLM2-135M with LoRA under DeepSpeed, where the KL penalty alone moves a group whose rewards agree."""
 from __future__ import annotations
@@ -17,13 +17,34 @@ from lightning_otel.train.transitions.credit import EPS
 from lightning_otel.train.optimize import StepStats, optimize, with_token_advantages
 
 
-def test_the_config_takes_reinforce_pp_with_kl_as_the_reward_penalty():
-    config = TrainConfig(advantage="reinforce_pp", kl=0.05)
-    assert config.kl_loss == 0.0  # the KL is in the rewards: no k3 term in the loss
-    assert TrainConfig(kl=0.05).kl_loss == 0.05
-    assert TrainConfig(advantage="reinforce_pp").kl == 0.0  # plain REINFORCE with a global baseline
-    with pytest.raises(UserError, match=r"advantage = 'reinforce\+\+': choose one of .*reinforce_pp"):
+def test_the_kl_is_a_loss_term_or_a_reward_penalty_and_the_config_says_which():
+    assert TrainConfig(advantage="reinforce-pp", kl_reward=0.05).kl_loss == 0.0  # no k3 term in the loss
+    assert TrainConfig(kl_loss=0.05).kl_reward == 0.0
+    assert TrainConfig(advantage="reinforce-pp").kl_reward == 0.0  # plain REINFORCE with a global baseline
+    with pytest.raises(UserError, match="kl_reward = 0.05: it is the KL penalty in the token rewards"):
+        TrainConfig(kl_reward=0.05)  # per-rollout: meaningless
+    with pytest.raises(UserError, match="set kl_reward instead"):
+        TrainConfig(advantage="reinforce-pp", kl_loss=0.05)
+    with pytest.raises(UserError, match=r"advantage = 'reinforce\+\+': choose one of .*reinforce-pp"):
         TrainConfig(advantage="reinforce++")
+
+
+def test_the_previous_releases_keys_still_work_with_a_deprecation_message(caplog, tmp_path):
+    from lightning_otel.train.config import load_config, migrate_saved, render_toml
+
+    old = TrainConfig(advantage="reinforce_pp", kl=0.05, agent_timeout_s=60.0)
+    assert (old.advantage, old.kl_reward, old.kl_loss, old.rollout_timeout_s) == ("reinforce-pp", 0.05, 0.0, 60.0)
+    assert old.kl is None and old.agent_timeout_s is None  # mapped, so a saved config has the new keys only
+    assert TrainConfig(kl=0.1).kl_loss == 0.1
+    assert "`kl` is deprecated" in caplog.text and "`agent_timeout_s` is deprecated" in caplog.text
+    assert "'reinforce_pp' is spelled 'reinforce-pp'" in caplog.text
+    toml = tmp_path / "train.toml"
+    toml.write_text('advantage = "reinforce_pp"\nkl = 0.05\nagent_timeout_s = 60\n')
+    loaded = load_config(toml, ["kl=0.07"])
+    assert (loaded.kl_reward, loaded.rollout_timeout_s) == (0.07, 60.0)
+    assert "kl =" not in render_toml(loaded) and "kl_reward = 0.07" in render_toml(loaded)
+    assert migrate_saved({"advantage": "reinforce_pp", "kl": 0.05, "agent_timeout_s": 60.0, "lr": 1e-5}) == \
+        {"advantage": "reinforce-pp", "kl_reward": 0.05, "rollout_timeout_s": 60.0, "lr": 1e-5}
 
 
 class ScriptedLearner:
@@ -49,7 +70,7 @@ def test_token_advantages_are_normalised_over_the_whole_pass_not_per_micro_batch
     # r2: old = ref: G = R = 0.5 on each token. Tokens 1.35 1.15 -0.1 .5 .5 .5: mean 0.65, squared deviations
     # .49 .25 .5625 .0225 x3 summing to 1.37, sample variance 1.37 / 5. One transition per micro-batch.
     rows = [row("r0", [1, 2], [-0.5, -0.5], 1.0), row("r1", [3], None, 0.0), row("r2", [2, 2, 2], [-0.2] * 3, 0.5)]
-    config = TrainConfig(advantage="reinforce_pp", kl=0.5, batch_size=1, micro_batch=1)
+    config = TrainConfig(advantage="reinforce-pp", kl_reward=0.5, batch_size=1, micro_batch=1)
     stats = StepStats()
     out = with_token_advantages(ScriptedLearner(), rows, config, stats)
     std = math.sqrt(1.37 / 5) + EPS
@@ -70,7 +91,7 @@ def test_without_kl_no_forward_pass_runs_and_other_advantages_leave_the_rows_alo
             raise AssertionError(f"learner.{name} called")
 
     rows = [row("a", [1, 2], [-0.5, -0.5], 1.0), row("b", [3], None, 0.0)]
-    out = with_token_advantages(Unused(), rows, TrainConfig(advantage="reinforce_pp"), StepStats())
+    out = with_token_advantages(Unused(), rows, TrainConfig(advantage="reinforce-pp"), StepStats())
     # tokens 1 1 0: mean 2/3, sample std sqrt((2/9 + 4/9) / 2) = sqrt(1/3)
     std = math.sqrt(1 / 3) + EPS
     assert [r["token_advantages"] for r in out] == [pytest.approx([1 / 3 / std] * 2), pytest.approx([-2 / 3 / std])]
@@ -80,7 +101,7 @@ def test_without_kl_no_forward_pass_runs_and_other_advantages_leave_the_rows_alo
 def test_a_reinforce_pp_step_with_kl_moves_the_policy_of_a_group_whose_rewards_agree():
     from lightning_otel.train.learner import Learner
 
-    with_kl = TrainConfig(lora_rank=4, lr=1e-3, batch_size=2, micro_batch=2, advantage="reinforce_pp", kl=0.5)
+    with_kl = TrainConfig(lora_rank=4, lr=1e-3, batch_size=2, micro_batch=2, advantage="reinforce-pp", kl_reward=0.5)
     learner = Learner(bundled_model_dir(), with_kl)
     try:
         prompt = learner.tokenizer.encode("Write a query that counts the singers.")
@@ -103,7 +124,7 @@ def test_a_reinforce_pp_step_with_kl_moves_the_policy_of_a_group_whose_rewards_a
 
 
 def test_compile_and_offline_training_take_reinforce_pp(tmp_path):
-    """`lightning-otel compile --advantage reinforce_pp` on rollouts recorded through the gateway: one baseline
+    """`lightning-otel compile --advantage reinforce-pp` on rollouts recorded through the gateway: one baseline
     over every completion token of the store, groups whose rewards agree kept. Offline GRPO uses it when the
     config names it (else its batch baseline)."""
     import polars as pl
@@ -115,15 +136,17 @@ def test_compile_and_offline_training_take_reinforce_pp(tmp_path):
     db, out = tmp_path / "traces.duckdb", tmp_path / "t.parquet"
     load_rollouts(db)
     assert main(["compile", "--db", str(db), "--out", str(out), "--reward", "sql_form",
-                 "--advantage", "reinforce_pp"]) == 0
+                 "--advantage", "reinforce-pp"]) == 0
     frame = pl.read_parquet(out).with_columns(pl.col("completion_ids").list.len().alias("n"))
     weighted_mean = float((frame["advantage"] * frame["n"]).sum() / frame["n"].sum())
     assert abs(weighted_mean) < 1e-6 and frame["advantage"].std() > 0.5
     assert frame["rollout_id"].n_unique() == 48  # no group left out, not even one whose rewards agree
-    assert main(["compile", "--db", str(db), "--out", str(out), "--advantage", "bogus"]) == 2
+    with pytest.raises(SystemExit) as info:  # not one of the choices
+        main(["compile", "--db", str(db), "--out", str(out), "--advantage", "bogus"])
+    assert info.value.code == 2
 
-    assert offline_advantage(TrainConfig(advantage="reinforce_pp"), "grpo") == "reinforce_pp"
+    assert offline_advantage(TrainConfig(advantage="reinforce-pp"), "grpo") == "reinforce-pp"
     assert offline_advantage(TrainConfig(), "grpo") == "batch-baseline"
-    assert offline_advantage(TrainConfig(advantage="reinforce_pp"), "sft") == "none"
+    assert offline_advantage(TrainConfig(advantage="reinforce-pp"), "sft") == "none"
     with pytest.raises(UserError, match="--objective"):
         offline_advantage(TrainConfig(), "dpo")

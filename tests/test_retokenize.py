@@ -125,7 +125,7 @@ def test_calls_without_records_are_retokenised_to_the_engines_ids(tmp_path):
     assert (both["reward"] == both["reward_re"]).all()
     assert both["advantage"].to_list() == pytest.approx(both["advantage_re"].to_list())  # summation order aside
     _, without = compile_transitions(CompileConfig(db=stripped, reward="sql_form"))
-    assert without.excluded["LLM call without a token record (no tokenizer to re-tokenise it with: give --model)"] == 12
+    assert without.excluded["LLM call without a token record (no tokenizer to re-tokenise it with: give --tokenizer)"] == 12
 
 
 def test_drift_of_the_recorded_rollouts(tmp_path, capsys):

@@ -173,7 +173,7 @@ def test_an_agent_cannot_write_or_overwrite_its_own_reward(tmp_path, monkeypatch
     try:
         summary = run_rollouts(RolloutConfig(
             tasks=tasks, agent=f"{sys.executable} {tmp_path / 'forger.py'} {{rollout_id}} gold_only", n=1, db=db,
-            base_url="http://127.0.0.1:9/v1", reward="gold_only", timeout_s=120))
+            base_url="http://127.0.0.1:9/v1", reward="gold_only", rollout_timeout_s=120))
         results = {r.task_id: r for r in summary.results}
         assert all(r.status == "ok" for r in results.values()), [r.stderr_tail for r in results.values()]
         for result in results.values():

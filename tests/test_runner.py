@@ -62,7 +62,7 @@ def setup(tmp_path: Path):
 def config(agent_script: Path, tasks: Path, db: Path, **kw) -> RolloutConfig:
     import sys
     defaults = dict(tasks=tasks, agent=f"{sys.executable} {agent_script} --question {{question}} --db {{db_path}}", n=2,
-                    concurrency=3, db=db, base_url="http://127.0.0.1:9/v1", reward="spider_exec", timeout_s=20)
+                    concurrency=3, db=db, base_url="http://127.0.0.1:9/v1", reward="spider_exec", rollout_timeout_s=20)
     defaults.update(kw)
     return RolloutConfig(**defaults)
 
@@ -184,7 +184,7 @@ def test_rollouts_through_the_gateway_are_token_exact(engine, db_path, tmp_path)
             if json.loads(line)["db_id"] == "singer"][:2]
     tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}}",
-                                         n=2, concurrency=4, db=db_path, reward="spider_exec", timeout_s=120),
+                                         n=2, concurrency=4, db=db_path, reward="spider_exec", rollout_timeout_s=120),
                            engine=engine)
     assert [r.status for r in summary.results] == ["ok"] * 4
     assert all(r.reward in (0.0, 1.0) for r in summary.results)
@@ -219,7 +219,7 @@ def test_a_command_already_under_opentelemetry_instrument_is_not_wrapped_twice(t
     outputs = {}
     for command in (f"{sys.executable} {agent}", f"{wrapper} {sys.executable} {agent}"):
         summary = run_rollouts(RolloutConfig(tasks=tasks, agent=command, n=1, db=db_path,
-                                             base_url="http://127.0.0.1:9/v1", timeout_s=30))
+                                             base_url="http://127.0.0.1:9/v1", rollout_timeout_s=30))
         outputs[command.split()[0]] = summary.results[0].final_output
     assert outputs == {sys.executable: "no wrapper 1", str(wrapper): "0 0"}
     assert instrumented("/x/opentelemetry-instrument", ["python", "a.py"]) == \
@@ -242,7 +242,7 @@ def test_scripted_answers_walk_a_multi_turn_agent_along_its_labelled_path(engine
     answers = ["```sql\nSELECT no_such_column FROM singer\n```", "```sql\n{query}\n```"]
     summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}} "
                                          "--db {db_path}", n=1, concurrency=2, db=db_path, reward="spider_exec",
-                                         timeout_s=120, answers=answers), engine=engine)
+                                         rollout_timeout_s=120, answers=answers), engine=engine)
     assert [r.status for r in summary.results] == ["ok", "ok"]
     assert [r.reward for r in summary.results] == [1.0, 1.0]  # the agent's final SQL is the scripted gold
     records = client.query("SELECT g.rollout_id, completion_ids, json_extract_string(s.attributes, "
@@ -267,7 +267,7 @@ def test_scripted_answers_walk_a_multi_turn_agent_along_its_labelled_path(engine
     assert [d["turn"] for d in repaired] == [1, 1] and repaired == demos[1::2]
     # A third call would be refused: a script of one answer stops the agent after its first call.
     one = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}} "
-                                     "--db {db_path}", n=1, db=db_path, timeout_s=120, answers=answers[:1],
+                                     "--db {db_path}", n=1, db=db_path, rollout_timeout_s=120, answers=answers[:1],
                                      task_pack="spider"),
                        engine=engine)
     assert all("may make 1 model call(s)" in r.stderr_tail for r in one.results)
@@ -281,5 +281,5 @@ def test_scripted_answers_that_do_not_fit_the_tasks_fail_before_any_rollout(setu
         run_rollouts(config(agent_script, tasks, db_path, base_url=None, answers=["SELECT '{'"]))
     with pytest.raises(UserError, match="non-empty list"):
         config(agent_script, tasks, db_path, base_url=None, answers=[])
-    with pytest.raises(UserError, match="leave out --base-url"):
+    with pytest.raises(UserError, match="leave out base_url"):
         config(agent_script, tasks, db_path, answers=["{query}"])

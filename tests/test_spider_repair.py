@@ -86,7 +86,7 @@ def test_the_langgraph_agent_walks_the_repair_path_and_only_the_repair_is_traine
     agent = Path(__file__).resolve().parent.parent / "examples" / "sql_agent" / "agent.py"
     summary = run_rollouts(RolloutConfig(
         tasks=tasks, agent=f"{sys.executable} {agent} --question {{question}} --db {{db_path}}", n=1, concurrency=2,
-        db=db_path, reward="spider_exec", timeout_s=120, answers=REPAIR_LABELS), engine=engine)
+        db=db_path, reward="spider_exec", rollout_timeout_s=120, answers=REPAIR_LABELS), engine=engine)
     assert [r.status for r in summary.results] == ["ok", "ok"]
     assert [r.reward for r in summary.results] == [1.0, 1.0]  # reviewed, rewritten to the gold query, accepted
     prompts = call_prompts(db_path, [r.rollout_id for r in summary.results])

@@ -46,7 +46,7 @@ def spider_tasks(path: Path, count: int, db_id: str = "poker_player") -> Path:
 def small_config(tmp_path: Path, **overrides) -> TrainConfig:
     values = dict(tasks=str(spider_tasks(tmp_path / "tasks.jsonl", 4)), agent=AGENT, reward=REWARD, n=4,
                   task_pack="spider", tasks_per_round=4, rounds=1, batch_size=8, micro_batch=4, max_tokens=32, lr=1e-4,
-                  lora_rank=8, output_dir=str(tmp_path / "run"), concurrency=8, agent_timeout_s=300)
+                  lora_rank=8, output_dir=str(tmp_path / "run"), concurrency=8, rollout_timeout_s=300)
     values.update(overrides)
     return TrainConfig(**values)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shlex
 import tomllib
 from dataclasses import dataclass, field
@@ -17,7 +18,9 @@ from typing import Any
 
 from lightning_otel.errors import UserError
 from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
-from lightning_otel.train.transitions.credit import ADVANTAGES
+from lightning_otel.train.transitions.credit import ADVANTAGES, advantage_name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,7 +50,7 @@ class TrainConfig:
     concurrency: int = 2              # agents running at once
     max_tokens: int = 256             # cap on each generation during rollouts
     temperature: float = 1.0          # sampling temperature forced on rollouts; the GRPO loss uses the same (logits / T)
-    agent_timeout_s: float = 300.0
+    rollout_timeout_s: float = 300.0  # seconds one rollout may run before it is killed
     # the task pool (before round 1): n samples of every task at `temperature` from the starting policy; tasks
     # whose pass rate (share of samples with reward >= pool_pass_reward) lies outside [pool_min_pass,
     # pool_max_pass] are dropped, so rounds draw only tasks the policy sometimes solves (groups that disagree)
@@ -57,13 +60,14 @@ class TrainConfig:
     # credit (DESIGN §4)
     gamma: float = 1.0
     agents: str = ""                  # regex over whole agent names: train only their LLM calls ("" = all)
-    advantage: str = "per-rollout"    # train/transitions/credit.py; reinforce_pp: REINFORCE++, per token (train/losses.py)
+    advantage: str = "per-rollout"    # train/transitions/credit.py; reinforce-pp: REINFORCE++, per token (train/losses.py)
     merge_turns: bool = False
     # optimisation
     lr: float = 1e-5
     clip: float = 0.2
-    kl: float = 0.0                   # k3 KL to the reference policy (LoRA: adapters disabled); with
-                                      # advantage = reinforce_pp, beta of the KL penalty in the token rewards
+    kl_loss: float = 0.0              # coefficient of the k3 KL to the reference policy in the loss (LoRA: adapters
+                                      # disabled); for the group advantages (per-rollout, per-transition, ...)
+    kl_reward: float = 0.0            # beta of the KL penalty in the token rewards: advantage = reinforce-pp only
     aggregation: str = "rollout"      # loss weighting: token | sequence | rollout (train/losses.py)
     epochs: int = 1                   # passes over a round's transitions
     batch_size: int = 16              # transitions per optimizer step
@@ -100,8 +104,12 @@ class TrainConfig:
     val_tasks: str = ""               # JSONL tasks scored once before the first round and every val_every rounds
     val_every: int = 1
     val_temperature: float = 0.0      # sampling temperature of validation rollouts (0: greedy)
+    # keys of the previous release, accepted for this one with a deprecation message (see DEPRECATED)
+    kl: float | None = None
+    agent_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        self._take_deprecated_keys()
         calls = 1 if isinstance(self.sft_label, str) else len(self.sft_label or [])
         checks = [
             (self.n >= 1, f"n = {self.n}: samples per task must be at least 1 (GRPO needs n >= 2 for groups)"),
@@ -109,7 +117,15 @@ class TrainConfig:
             (self.rounds >= 0, "rounds must be >= 0"),
             (self.lr > 0 and self.sft_lr > 0, "lr and sft_lr must be positive"),
             (0 < self.clip < 1, f"clip = {self.clip}: the PPO clip range must be in (0, 1)"),
-            (self.kl >= 0, "kl must be >= 0"),
+            (self.kl_loss >= 0 and self.kl_reward >= 0, "kl_loss and kl_reward must be >= 0"),
+            (not self.kl_reward or self.advantage in TOKEN_RETURNS,
+             f"kl_reward = {self.kl_reward}: it is the KL penalty in the token rewards of advantage = reinforce-pp; "
+             f"with advantage = {self.advantage!r} the KL is a loss term: set kl_loss instead"),
+            (not self.kl_loss or self.advantage not in TOKEN_RETURNS,
+             f"kl_loss = {self.kl_loss}: advantage = {self.advantage!r} puts the KL in the token rewards; set "
+             f"kl_reward instead"),
+            (self.rollout_timeout_s > 0, f"rollout_timeout_s = {self.rollout_timeout_s}: give the seconds one rollout "
+                                         f"may run (> 0)"),
             (0 < self.temperature <= 2, f"temperature = {self.temperature}: rollouts must sample (0 < T <= 2); "
                                         "greedy decoding gives GRPO groups of identical answers"),
             (self.advantage in ADVANTAGES, f"advantage = {self.advantage!r}: choose one of {sorted(ADVANTAGES)}"),
@@ -149,10 +165,20 @@ class TrainConfig:
             if not ok:
                 raise UserError(f"train config: {message}")
 
-    @property
-    def kl_loss(self) -> float:
-        """The k3 KL term's coefficient in the loss: `kl`, or 0 where the advantage puts the KL in the rewards."""
-        return 0.0 if self.advantage in TOKEN_RETURNS else self.kl
+    def _take_deprecated_keys(self) -> None:
+        """Keys of the previous release: each is mapped onto its new key, with a warning naming both."""
+        self.advantage = advantage_name(self.advantage, lambda text: log.warning("train config: %s", text))
+        if self.kl is not None:
+            target = "kl_reward" if self.advantage in TOKEN_RETURNS else "kl_loss"
+            log.warning("train config: `kl` is deprecated (it goes in the next release): with advantage = %r it is "
+                        "%s = %s; set kl_loss (the KL term of the loss) or kl_reward (REINFORCE++'s KL penalty in "
+                        "the token rewards)", self.advantage, target, self.kl)
+            setattr(self, target, self.kl)
+            self.kl = None
+        if self.agent_timeout_s is not None:
+            log.warning("train config: `agent_timeout_s` is deprecated (it goes in the next release): it is "
+                        "rollout_timeout_s = %s", self.agent_timeout_s)
+            self.rollout_timeout_s, self.agent_timeout_s = self.agent_timeout_s, None
 
     @property
     def filters_pool(self) -> bool:
@@ -166,6 +192,8 @@ def render_toml(config: TrainConfig) -> str:
     lines = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
+        if value is None:  # a deprecated key, already mapped onto its new one; TOML has no null
+            continue
         if isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, (int, float)):
@@ -176,7 +204,22 @@ def render_toml(config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def migrate_saved(saved: dict) -> dict:
+    """A config saved by the previous release, in this release's keys (what the deprecated keys map onto)."""
+    saved = dict(saved)
+    if "advantage" in saved:
+        saved["advantage"] = advantage_name(saved["advantage"])
+    if saved.get("kl") is not None:
+        saved["kl_reward" if saved.get("advantage") in TOKEN_RETURNS else "kl_loss"] = saved["kl"]
+    if saved.get("agent_timeout_s") is not None:
+        saved["rollout_timeout_s"] = saved["agent_timeout_s"]
+    saved.pop("kl", None), saved.pop("agent_timeout_s", None)
+    return saved
+
+
 def _coerce(name: str, kind: Any, raw: Any) -> Any:
+    if isinstance(kind, str) and kind.endswith(" | None"):  # a deprecated key: its value's own type
+        kind = kind[:-len(" | None")]
     if kind == "str | list[str]":  # a TOML array, or `key=[...]` as JSON, or a plain text
         if isinstance(raw, str) and raw.lstrip().startswith("["):
             try:

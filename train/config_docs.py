@@ -45,7 +45,7 @@ HELP: dict[str, str] = {
     "max_tokens": "Cap on each generation during rollouts.",
     "temperature": "Sampling temperature forced on rollouts (0 < T <= 2); the loss scores the same "
                    "distribution (logits / T).",
-    "agent_timeout_s": "Seconds a rollout may run before it is stopped and recorded as a timeout.",
+    "rollout_timeout_s": "Seconds one rollout may run before it is stopped and recorded as a timeout.",
     # the task pool
     "pool_min_pass": "Pool filter before round 1: drop tasks whose pass rate over `n` samples is below this "
                      "(0: keep them).",
@@ -54,14 +54,15 @@ HELP: dict[str, str] = {
     # credit
     "gamma": "Discount per later LLM call in the returns (1: every call gets the episode reward).",
     "agents": "Regex over whole agent names: train only the LLM calls of matching agents (empty: all).",
-    "advantage": "`per-rollout` (group baseline), `per-transition`, `batch-baseline`, `reinforce_pp` "
+    "advantage": "`per-rollout` (group baseline), `per-transition`, `batch-baseline`, `reinforce-pp` "
                  "(REINFORCE++: one baseline over the round, per token) or `none`.",
     "merge_turns": "Merge consecutive turns whose tokens extend the previous turn into one sample.",
     # optimisation
     "lr": "Learning rate of the RL updates.",
     "clip": "PPO clip range of the probability ratio, in (0, 1).",
-    "kl": "Coefficient of the k3 KL to the reference policy in the loss (LoRA: adapters disabled); with "
-          "`reinforce_pp`, of the per-token KL penalty in the rewards.",
+    "kl_loss": "Coefficient of the k3 KL to the reference policy in the loss (LoRA: adapters disabled), for the "
+               "group advantages (`per-rollout`, `per-transition`, `batch-baseline`).",
+    "kl_reward": "Beta of the per-token KL penalty in the rewards: `advantage = reinforce-pp` only.",
     "aggregation": "Loss weighting: `token`, `sequence` or `rollout` (every rollout weighs the same).",
     "epochs": "Passes over a round's transitions.",
     "batch_size": "Transitions per optimizer step.",
@@ -99,6 +100,8 @@ HELP: dict[str, str] = {
     "val_tasks": "JSONL tasks scored once before the first round and every `val_every` rounds.",
     "val_every": "Rounds between two validations.",
     "val_temperature": "Sampling temperature of validation rollouts (0: greedy).",
+    "kl": "Deprecated (goes in the next release): `kl_loss`, or `kl_reward` with `advantage = reinforce-pp`.",
+    "agent_timeout_s": "Deprecated (goes in the next release): `rollout_timeout_s`.",
 }
 
 

@@ -99,7 +99,7 @@ class Learner:
         model.config.use_cache = False
         self.reference = None
         if config.full_finetune:
-            if config.kl:
+            if config.kl_loss or config.kl_reward:
                 self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
                 self.reference.requires_grad_(False)
         else:

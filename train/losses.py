@@ -141,5 +141,5 @@ def normalise_tokens(values: list[torch.Tensor], masks: list[torch.Tensor]) -> l
 # Advantage names (credit.ADVANTAGES) whose advantages the trainer computes per token at update time, with the
 # KL to the reference as a penalty in the rewards (`kl` is then beta, and the loss has no k3 term).
 TOKEN_RETURNS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "reinforce_pp": kl_penalised_returns,
+    "reinforce-pp": kl_penalised_returns,
 }

@@ -29,7 +29,7 @@ from lightning_otel.train.transitions.compile import CompileConfig, compile_tran
 
 log = logging.getLogger(__name__)
 ADVANTAGE_FOR = {"grpo": "batch-baseline", "sft": "none"}
-GROUPLESS = {"reinforce_pp"}  # advantages that need no groups: offline GRPO takes them as configured
+GROUPLESS = {"reinforce-pp"}  # advantages that need no groups: offline GRPO takes them as configured
 
 
 def offline_advantage(config: TrainConfig, objective: str) -> str:

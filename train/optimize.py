@@ -11,7 +11,7 @@ ones (ratio 1 at the first epoch).
 
 Token-level advantages (`advantage = "reinforce_pp"`, losses.TOKEN_RETURNS): their normalisation takes every
 trained token of the pass, so before the first step one no-grad pass over all the transitions scores them with
-the reference policy (with kl > 0), and each transition gets its `token_advantages`; the steps then use those.
+the reference policy (with kl_reward > 0), and each transition gets its `token_advantages`; the steps then use those.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class StepStats:
     ratio_mean: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)  # each step's gradient norm before clipping
     ranks: int = 1  # processes the steps ran on (train/distributed.py)
-    reward_kl: float | None = None  # token-level advantages with kl > 0: mean old_logp - ref_logp over the pass
+    reward_kl: float | None = None  # token-level advantages with kl_reward > 0: mean old_logp - ref_logp over the pass
     # The first micro-batch runs before any update of the pass: its policy is the one that sampled, so its ratio
     # should be ~1 and its clip fraction ~0; anything else means the learner and the engine disagree.
     first: LossOutput | None = None
@@ -89,7 +89,7 @@ def sft_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config:
 def with_token_advantages(learner: Learner, rows: list[Transition], config: TrainConfig,
                           stats: StepStats) -> list[Transition]:
     """The rows with `token_advantages` when config.advantage has token returns (losses.TOKEN_RETURNS), else
-    as given. One no-grad pass before any update: the reference scores every trained token (with kl > 0),
+    as given. One no-grad pass before any update: the reference scores every trained token (with kl_reward > 0),
     the old logprobs are the engine's (the current policy's where none were recorded), and the returns are
     normalised over all the rows' trained tokens together."""
     token_returns = TOKEN_RETURNS.get(config.advantage)
@@ -103,7 +103,7 @@ def with_token_advantages(learner: Learner, rows: list[Transition], config: Trai
         for indices, prefix_len in plans:
             batch = collate([rows[j] for j in indices], learner.pad_id, None, prefix_len)
             old = ref = torch.zeros_like(batch.mask)
-            if config.kl:
+            if config.kl_reward:
                 ref = learner.reference_logprobs(batch, config.temperature)
                 old = batch.old_logp
                 if bool((torch.isnan(old) & (batch.mask > 0)).any()):  # re-tokenised rows: the policy that sampled
@@ -111,12 +111,12 @@ def with_token_advantages(learner: Learner, rows: list[Transition], config: Trai
                 kl_sum += float(torch.where(batch.mask > 0, old - ref, 0.0).sum())
                 kl_tokens += float(batch.mask.sum())
             sample_returns = torch.tensor([float(rows[j]["return"]) for j in indices])
-            token = token_returns(old, ref, sample_returns, batch.mask, config.kl)
+            token = token_returns(old, ref, sample_returns, batch.mask, config.kl_reward)
             T = batch.completion_width
             for k, j in enumerate(indices):
                 c = len(rows[j]["completion_ids"])
                 returns[j], masks[j] = token[k, T - c:], batch.mask[k, T - c:]
-    if config.kl:
+    if config.kl_reward:
         stats.reward_kl = kl_sum / kl_tokens if kl_tokens else None
     advantages = normalise_tokens(returns, masks)
     return [{**row, "token_advantages": a.tolist()} for row, a in zip(rows, advantages)]

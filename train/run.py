@@ -15,7 +15,7 @@ from pathlib import Path
 from lightning_otel.errors import UserError
 
 # Keys that may differ when a run is resumed: they change how it runs, not what it trains.
-RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "agent_timeout_s", "engine_python", "engine_url",
+RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "rollout_timeout_s", "engine_python", "engine_url",
                      "share_prefix", "micro_batch_tokens", "sft_save_tasks", "sft_save_steps",
                      "group_steps"}  # the order of a round's steps only
 
@@ -84,7 +84,10 @@ def check_resume(config, folder: RunFolder) -> RunState | None:
     state = folder.load()
     if state is None:
         return None
-    changed = sorted(k for k, v in asdict(config).items() if k in state.config and state.config[k] != v and
+    from lightning_otel.train.config import migrate_saved
+
+    saved = migrate_saved(state.config)
+    changed = sorted(k for k, v in asdict(config).items() if k in saved and saved[k] != v and
                      k not in RESUMABLE_CHANGES)
     if changed:
         raise UserError(f"{folder.path} holds a run with different settings ({', '.join(changed)}): resume it with "

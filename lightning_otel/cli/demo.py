@@ -134,7 +134,7 @@ def run_demo(config: DemoConfig, progress: Callable[[str, int, int], None] | Non
             began = time.perf_counter()
             result = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=folder / f"report-{label}",
                                          model=model, baseline=baseline, max_tokens=config.max_tokens,
-                                         reward="spider_exec",
+                                         reward="spider_exec", n=1,
                                          temperature=0.0),
                               engine=engine, progress=lambda r, done, total: progress(f"eval {label}", done, total))
             timings[f"eval_{label}"] = time.perf_counter() - began

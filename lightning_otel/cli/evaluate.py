@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lightning_otel.cli.options import add_task_pack
+from lightning_otel.cli.options import add_rollout_timeout, add_samples, add_task_pack
 from lightning_otel.cli.render import Progress
 
 
@@ -16,7 +16,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config = EvalConfig(tasks=args.tasks, agent=args.agent, report=args.report, model=args.model, n=args.n,
                         reward=args.reward, task_pack=args.task_pack,
                         baseline=args.baseline, db=args.db, data_dir=args.data_dir, max_tokens=args.max_tokens,
-                        concurrency=args.concurrency, timeout_s=args.timeout, temperature=args.temperature)
+                        concurrency=args.concurrency, rollout_timeout_s=args.rollout_timeout, temperature=args.temperature)
     print("eval config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()), file=sys.stderr)
     summary = evaluate(config, progress=Progress("eval").update).summary
     print(terminal_summary(summary))
@@ -36,7 +36,7 @@ def register(sub) -> None:
     p.add_argument("--model", default="base",
                    help="base (the bundled model), a training run folder (its best checkpoint), a checkpoint, a "
                         "LoRA adapter folder or a model folder (default: base)")
-    p.add_argument("-n", type=int, default=1, help="samples per task (default: 1)")
+    add_samples(p)
     p.add_argument("--report", type=Path, required=True, metavar="DIR",
                    help="folder for report.md, summary.json and the plots")
     p.add_argument("--baseline", type=Path, metavar="DIR", help="another eval's --report folder to compare with")
@@ -46,5 +46,5 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float,
                    help="sampling temperature forced on every request, 0 = greedy (default: the agent's own)")
     p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")
+    add_rollout_timeout(p)
     p.set_defaults(func=cmd_eval)

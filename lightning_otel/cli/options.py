@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 DEFAULT_DB = "traces.duckdb"
@@ -22,3 +23,28 @@ def add_task_pack(parser: argparse.ArgumentParser, required: bool) -> None:
                              "that registers --reward): per-rollout setup such as {db_path}, outcome classes")
     parser.add_argument("--data-dir", type=Path, help="the task pack's data folder, e.g. Spider's layout for "
                                                       "{db_path} (default: the pack's own bundled data)")
+
+SAMPLES = 4  # -n: samples per task, the same default in every command
+
+
+class DeprecatedAlias(argparse.Action):
+    """An option's spelling of the previous release: it still works for this one, with a note on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"note: {option_string} is now {self.new}; the old spelling goes in the next release", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_samples(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", type=int, default=SAMPLES, help=f"samples per task (default: {SAMPLES})")
+
+
+def add_rollout_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rollout-timeout", type=float, default=300.0, dest="rollout_timeout", metavar="SECONDS",
+                        help="seconds one rollout may run before it is killed (default: 300)")
+    parser.add_argument("--timeout", type=float, dest="rollout_timeout", action=DeprecatedAlias,
+                        new="--rollout-timeout", help=argparse.SUPPRESS)

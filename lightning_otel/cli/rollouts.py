@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_otel.cli.options import add_db, add_task_pack
+from lightning_otel.cli.options import add_db, add_rollout_timeout, add_samples, add_task_pack
 from lightning_otel.cli.render import Progress
 
 
@@ -14,7 +14,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     config = RolloutConfig(tasks=args.tasks, agent=args.agent, n=args.n, concurrency=args.concurrency, db=args.db,
                            base_url=args.base_url, api_key=args.api_key, model=args.model,
                            model_name=args.model_name, reward=args.reward, task_pack=args.task_pack,
-                           data_dir=args.data_dir, timeout_s=args.timeout)
+                           data_dir=args.data_dir, rollout_timeout_s=args.rollout_timeout)
     summary = run_rollouts(config, progress=Progress("rollouts").update)
     print(f"{len(summary.results)} rollouts: {summary.count('ok')} ok, {summary.count('failed')} failed, "
           f"{summary.count('timeout')} timed out, {summary.count('error')} could not start")
@@ -37,7 +37,7 @@ def register(sub) -> None:
                    help='command template, e.g. "python agent.py --question {question} --db {db_path}", or an '
                         'agent function called as fn(task, llm) in one worker process: "module:function" or '
                         '"path/to/agent.py:function"')
-    p.add_argument("-n", type=int, default=4, help="samples per task (default: 4)")
+    add_samples(p)
     p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
     add_db(p)
     p.add_argument("--model", help="policy to serve: a local Hugging Face model folder (default: the bundled "
@@ -48,5 +48,5 @@ def register(sub) -> None:
     p.add_argument("--model-name", default="policy", help="model name for {model} and LIGHTNING_MODEL "
                                                           "(the gateway serves the policy under any name)")
     add_task_pack(p, required=False)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per rollout (default: 300)")
+    add_rollout_timeout(p)
     p.set_defaults(func=cmd_rollout)

@@ -6,15 +6,16 @@ import argparse
 import logging
 from pathlib import Path
 
-from lightning_otel.cli.options import add_db
+from lightning_otel.cli.options import DeprecatedAlias, add_db
 from lightning_otel.cli.render import StepProgress
 from lightning_otel.errors import UserError
+from lightning_otel.train.transitions.credit import ADVANTAGE_ALIASES, ADVANTAGES
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 
-    model = None if args.model.lower() == "none" else args.model
+    model = None if args.tokenizer.lower() == "none" else args.tokenizer
     frame, account = compile_transitions(CompileConfig(db=args.db, reward=args.reward, gamma=args.gamma,
                                                        advantage=args.advantage, agents=args.agents,
                                                        intermediate=args.intermediate or [],
@@ -93,10 +94,11 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="Parquet file to write")
     p.add_argument("--reward", help="reward name (default: the only one stored)")
     p.add_argument("--gamma", type=float, default=1.0, help="discount per later LLM call (default: 1)")
-    p.add_argument("--advantage", default="per-rollout",
+    p.add_argument("--advantage", default="per-rollout", choices=[*ADVANTAGES, *ADVANTAGE_ALIASES],
+                   metavar="{" + ",".join(ADVANTAGES) + "}",
                    help="per-rollout: group statistics over rollouts (default); per-transition: over transitions "
                         "(Agent Lightning's legacy); batch-baseline: groups, lone rollouts against each other; "
-                        "reinforce_pp: one baseline over the whole batch, no groups (REINFORCE++, its sequence "
+                        "reinforce-pp: one baseline over the whole batch, no groups (REINFORCE++, its sequence "
                         "part: the trainer adds the token-level KL); none")
     p.add_argument("--agents", metavar="REGEX",
                    help="train only LLM calls of agents whose whole name matches this pattern")
@@ -106,9 +108,10 @@ def register(sub) -> None:
                    help="lambda of the turn-level term A_t = A + lambda * z_t (default 0: off)")
     p.add_argument("--merge-turns", action="store_true",
                    help="merge consecutive turns whose tokens extend the previous turn into one sample")
-    p.add_argument("--model", default="bundled",
+    p.add_argument("--tokenizer", default="bundled", metavar="MODEL",
                    help="tokenizer and chat template for calls without a token record: a local Hugging Face model "
                         "folder (default: the bundled model; 'none' excludes such rollouts instead)")
+    p.add_argument("--model", dest="tokenizer", action=DeprecatedAlias, new="--tokenizer", help=argparse.SUPPRESS)
     p.add_argument("--max-length", type=int, metavar="TOKENS",
                    help="exclude rollouts with a call longer than this (prompt + completion tokens)")
     p.add_argument("--drift", action="store_true",

@@ -81,7 +81,7 @@ class RolloutConfig:
     reward: str | None = None
     task_pack: str | TaskPack | None = None  # default: the pack that registers `reward` (rollouts.packs)
     data_dir: Path | None = None  # the task pack's data folder (default: the pack's own)
-    timeout_s: float = 300.0
+    rollout_timeout_s: float = 300.0  # seconds one rollout may run before it is killed
     work_dir: Path | None = None
     max_tokens: int | None = None  # cap on every generation through the gateway
     temperature: float | None = None  # sampling temperature forced on every request through the gateway
@@ -94,11 +94,11 @@ class RolloutConfig:
             else pack_for_reward(self.reward, self.task_pack)
         self.data_dir = Path(self.data_dir) if self.data_dir else (self.pack.default_data_dir() if self.pack else None)
         if self.n < 1:
-            raise UserError(f"-n {self.n}: the number of samples per task must be at least 1")
+            raise UserError(f"n = {self.n}: the number of samples per task must be at least 1")
         if self.concurrency < 1:
-            raise UserError(f"--concurrency {self.concurrency} must be at least 1")
-        if self.timeout_s <= 0:
-            raise UserError(f"--timeout {self.timeout_s} must be positive (seconds)")
+            raise UserError(f"concurrency = {self.concurrency}: run at least 1 rollout at a time")
+        if self.rollout_timeout_s <= 0:
+            raise UserError(f"rollout_timeout_s = {self.rollout_timeout_s}: give the seconds one rollout may run (> 0)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UserError(f"max_tokens {self.max_tokens} must be at least 1")
         if self.max_calls is not None and self.max_calls < 1:
@@ -107,13 +107,13 @@ class RolloutConfig:
             if not self.answers or not all(isinstance(a, str) for a in self.answers):
                 raise UserError(f"answers {self.answers!r}: give a non-empty list of texts, one per model call")
             if self.base_url is not None:
-                raise UserError("scripted answers are given by the gateway: leave out --base-url")
+                raise UserError("scripted answers are given by the gateway: leave out base_url")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise UserError(f"temperature {self.temperature} must be in [0, 2]")
         if not self.agent.strip():
-            raise UserError("--agent is empty: give the command that runs your agent")
+            raise UserError("agent is empty: give the command that runs your agent, or module:function")
         if self.base_url is not None and self.model is not None:
-            raise UserError("give --model (served here through the gateway) or --base-url (an outside "
+            raise UserError("give model (served here through the gateway) or base_url (an outside "
                             "OpenAI-compatible server, no token records), not both")
 
 
@@ -387,7 +387,7 @@ class Runner:
                "model": self.config.model_name, "rollout_id": rollout_id, "task_id": task.task_id, "attempt": attempt}
         started = time.time_ns()
         reply = self.worker.call({"id": rollout_id, "task": fields, "llm": llm},  # type: ignore[union-attr]
-                                 self.config.timeout_s)
+                                 self.config.rollout_timeout_s)
         lines = [line.strip() for line in (reply.get("output") or "").splitlines() if line.strip()]
         return RolloutResult(rollout_id, task.task_id, attempt, self.policy_version, reply["status"],
                              reply.get("error_class"), None, started, time.time_ns(), lines[-1] if lines else None,
@@ -407,7 +407,7 @@ class Runner:
             status, error_class, stderr = "error", type(exc).__name__, str(exc)
         else:
             try:
-                stdout, stderr = proc.communicate(timeout=self.config.timeout_s)
+                stdout, stderr = proc.communicate(timeout=self.config.rollout_timeout_s)
                 exit_code = proc.returncode
                 if exit_code != 0:
                     status, error_class = "failed", "NonZeroExit"

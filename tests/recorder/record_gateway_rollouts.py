@@ -76,7 +76,7 @@ def main() -> None:
             started = time.monotonic()
             agent = f"{EXAMPLES[name]} {REPO / 'examples' / name / 'agent.py'} --question {{question}} --db {{db_path}}"
             summary = run_rollouts(RolloutConfig(tasks=tasks, agent=agent, n=args.n, concurrency=2, db=db,
-                                                 reward="spider_exec", timeout_s=300), engine=engine)
+                                                 reward="spider_exec", rollout_timeout_s=300), engine=engine)
             logging.info("%s: %d rollouts, %s ok, %.0f s", name, len(summary.results), summary.count("ok"),
                          time.monotonic() - started)
     finally:

@@ -19,6 +19,7 @@ would copy them, benchmarks/RESULTS.md), so sort by (task_id, rollout_id, turn) 
 """
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import polars as pl
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
 from lightning_otel.train.transitions import trajectories
-from lightning_otel.train.transitions.credit import ADVANTAGES, EPS, Call, Reward, discounted_returns
+from lightning_otel.train.transitions.credit import ADVANTAGES, EPS, Call, Reward, advantage_name, discounted_returns
 from lightning_otel.train.transitions.record import check_transitions
 from lightning_otel.train.transitions.retokenize import Drift
 from lightning_otel.train.transitions.trajectories import (SQL_CALLS, SQL_COMPUTED_EPISODE_REWARDS, SQL_EPISODE_REWARDS,
@@ -59,6 +60,8 @@ GROUP BY up.rollout_id, up.target
 SQL_CALL_ANCESTORS = "SELECT trace_id, call_span_id AS span_id, list(ancestor_span_id) AS ancestors " \
                      "FROM call_ancestors GROUP BY ALL"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class CompileConfig:
@@ -84,27 +87,28 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gamma <= 1.0:
-            raise UserError(f"--gamma {self.gamma} must be in (0, 1]")
+            raise UserError(f"gamma = {self.gamma}: must be in (0, 1]")
+        self.advantage = advantage_name(self.advantage, log.warning)
         if self.advantage not in ADVANTAGES:
-            raise UserError(f"--advantage {self.advantage!r}: choose one of {sorted(ADVANTAGES)}")
+            raise UserError(f"advantage {self.advantage!r}: choose one of {sorted(ADVANTAGES)}")
         if self.turn_weight < 0:
-            raise UserError(f"--turn-weight {self.turn_weight} must be >= 0")
+            raise UserError(f"turn_weight = {self.turn_weight}: must be >= 0")
         if self.turn_weight and not self.intermediate:
-            raise UserError("--turn-weight needs --intermediate rewards to weigh")
+            raise UserError("turn_weight needs intermediate rewards to weigh (name them in intermediate)")
         if self.max_length is not None and self.max_length < 2:
-            raise UserError(f"--max-length {self.max_length} must be at least 2 tokens")
+            raise UserError(f"max_length = {self.max_length}: must be at least 2 tokens")
         if self.drift and self.model is None:
-            raise UserError("--drift needs the model's tokenizer: give --model")
+            raise UserError("drift needs the model's tokenizer: give model (compile --tokenizer)")
         if self.model is not None and str(self.model) not in ("bundled", "base"):
             folder = Path(self.model).expanduser()
             if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
-                raise UserError(f"--model {self.model}: no tokenizer there (tokenizer.json / tokenizer_config.json); "
+                raise UserError(f"model = {self.model}: no tokenizer there (tokenizer.json / tokenizer_config.json); "
                                 f"give a Hugging Face model folder, or 'bundled'")
         if self.agents is not None:
             try:
                 re.compile(self.agents)
             except re.error as exc:
-                raise UserError(f"--agents {self.agents!r} is not a regular expression: {exc}") from None
+                raise UserError(f"agents = {self.agents!r} is not a regular expression: {exc}") from None
 
 
 @dataclass
@@ -132,8 +136,8 @@ def _reward_name(config: CompileConfig, read: trajectories.Read) -> str:
     if names.height == 1:
         return names["name"][0]
     if names.height == 0:
-        raise UserError("the store has no rewards yet: run rollouts with --reward, or emit_reward() in the agent")
-    raise UserError(f"several rewards are stored ({', '.join(names['name'].to_list())}): choose one with --reward")
+        raise UserError("the store has no rewards yet: run rollouts with a reward function, or emit_reward() in the agent")
+    raise UserError(f"several rewards are stored ({', '.join(names['name'].to_list())}): choose one (reward; compile --reward)")
 
 
 def compile_transitions(config: CompileConfig) -> tuple[pl.DataFrame, Accounting]:

@@ -128,6 +128,18 @@ ADVANTAGES: dict[str, Callable[[pl.DataFrame], tuple[pl.DataFrame, int]]] = {
     "per-rollout": advantage_per_rollout,
     "per-transition": advantage_per_transition,
     "batch-baseline": advantage_with_batch_baseline,
-    "reinforce_pp": advantage_reinforce_pp,
+    "reinforce-pp": advantage_reinforce_pp,
     "none": advantage_none,
 }
+# Spellings of earlier releases, accepted for one more release with a deprecation message.
+ADVANTAGE_ALIASES = {"reinforce_pp": "reinforce-pp"}
+
+
+def advantage_name(name: str, warn: Callable[[str], None] | None = None) -> str:
+    """The registered spelling of an advantage name (an earlier release's spelling is mapped, with a warning)."""
+    if name in ADVANTAGE_ALIASES:
+        if warn is not None:
+            warn(f"advantage {name!r} is spelled {ADVANTAGE_ALIASES[name]!r} now; the old spelling goes in the next "
+                 f"release")
+        return ADVANTAGE_ALIASES[name]
+    return name

@@ -65,7 +65,7 @@ def load_tokenizer(model: Path | str | None) -> tuple[ChatTokenizer | None, str 
     that cannot be used is the user's error; the bundled model being unavailable only disables
     re-tokenisation (its rollouts are then excluded with the reason)."""
     if model is None:
-        return None, "no tokenizer to re-tokenise it with: give --model"
+        return None, "no tokenizer to re-tokenise it with: give --tokenizer"
     from lightning_otel.serve.model import resolve_model
     if str(model) in ("bundled", "base"):
         try:
@@ -129,7 +129,7 @@ def drift(read: Read, model: Path | str | None) -> Drift:
     """Re-tokenise every call that has a token record and compare with the engine's ids."""
     tokenizer, why_not = load_tokenizer(model)
     if tokenizer is None:
-        raise UserError(f"--drift needs a tokenizer: {why_not}")
+        raise UserError(f"drift needs a tokenizer: {why_not}")
     engine = read("SELECT trace_id, span_id, prompt_ids, completion_ids FROM trajectory_calls "
                   "WHERE record_span_id IS NOT NULL")
     return measure_drift(engine, tokenizer.encode(recorded_messages(read, with_record=True)))

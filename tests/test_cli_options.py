@@ -1,0 +1,34 @@
+"""Options mean the same in every command: -n is samples per task with one default, the per-rollout time limit
+has one name; the previous release's spellings still parse, with a note."""
+from __future__ import annotations
+
+import pytest
+
+from lightning_otel.cli import build_parser
+from lightning_otel.cli.options import SAMPLES
+
+COMMANDS = {"rollout": ["--tasks", "t.jsonl", "--agent", "python a.py"],
+            "eval": ["--tasks", "t.jsonl", "--agent", "python a.py", "--report", "r", "--reward", "spider_exec"]}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_samples_and_the_rollout_time_limit_mean_the_same_everywhere(command, capsys):
+    parser = build_parser()
+    args = parser.parse_args([command, *COMMANDS[command]])
+    assert args.n == SAMPLES == 4 and args.rollout_timeout == 300.0
+    assert parser.parse_args([command, *COMMANDS[command], "--rollout-timeout", "7"]).rollout_timeout == 7.0
+    assert capsys.readouterr().err == ""
+    old = parser.parse_args([command, *COMMANDS[command], "--timeout", "5"])
+    assert old.rollout_timeout == 5.0 and "--timeout is now --rollout-timeout" in capsys.readouterr().err
+
+
+def test_compile_names_its_tokenizer_and_lists_the_advantages(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["compile", "--out", "o.parquet", "--tokenizer", "none"]).tokenizer == "none"
+    old = parser.parse_args(["compile", "--out", "o.parquet", "--model", "none"])
+    assert old.tokenizer == "none" and "--model is now --tokenizer" in capsys.readouterr().err
+    for name in ("per-rollout", "per-transition", "batch-baseline", "reinforce-pp", "none", "reinforce_pp"):
+        assert parser.parse_args(["compile", "--out", "o.parquet", "--advantage", name]).advantage == name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["compile", "--out", "o.parquet", "--advantage", "reinforce++"])
+    assert "invalid choice" in capsys.readouterr().err
