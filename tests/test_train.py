@@ -23,7 +23,8 @@ from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
 from lightning_otel.rollouts.runner import load_tasks
 from lightning_otel.train.config import TrainConfig, load_config
-from lightning_otel.train.trainer import Trainer, round_tasks
+from lightning_otel.train.pool import round_tasks
+from lightning_otel.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 SPIDER = REPO / "lightning_otel" / "tasks" / "spider" / "data"

@@ -60,7 +60,7 @@ class TrainConfig:
     # credit (DESIGN §4)
     gamma: float = 1.0
     agents: str = ""                  # regex over whole agent names: train only their LLM calls ("" = all)
-    advantage: str = "per-rollout"    # train/transitions/credit.py; reinforce-pp: REINFORCE++, per token (train/losses.py)
+    advantage: str = "per-rollout"    # transitions/credit.py; reinforce-pp: REINFORCE++, per token (train/losses.py)
     merge_turns: bool = False
     # optimisation
     lr: float = 1e-5

@@ -17,13 +17,10 @@ Randomness is derived from (seed, round), so a resumed round draws the same task
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import random
 import shutil
 import time
-from collections import deque
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -38,38 +35,13 @@ from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
+from lightning_otel.train.pool import kept_tasks, pass_rates, pool_record, round_tasks
 from lightning_otel.train.optimize import optimize
 from lightning_otel.train.run import RunFolder, RunState, check_resume, write_atomically
 from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 
 log = logging.getLogger(__name__)
 
-
-
-def round_tasks(tasks: list[Task], round_index: int, count: int, seed: int) -> list[Task]:
-    """The tasks of round `round_index` (0-based): consecutive slices of a stream of per-epoch shuffles of the
-    task list, so every task is used once per epoch and the choice depends only on (seed, round). A round never
-    holds a task twice: where a round runs from one epoch into the next, a task it already holds is put off to
-    the next round. With fewer tasks than `count` (a pool filter that kept few), each round is one epoch."""
-    count = min(count, len(tasks))
-    epochs = itertools.count()
-
-    def shuffled() -> list[int]:
-        order = list(range(len(tasks)))
-        random.Random(f"{seed}:{next(epochs)}").shuffle(order)
-        return order
-
-    pending: deque[int] = deque()  # the stream's next indices, a put-off one first
-    for _ in range(round_index + 1):
-        chosen: dict[int, None] = {}  # in the order drawn
-        while len(chosen) < count:
-            position = next((i for i, index in enumerate(pending) if index not in chosen), None)
-            if position is None:
-                pending.extend(shuffled())
-                continue
-            chosen[pending[position]] = None
-            del pending[position]
-    return [tasks[i] for i in chosen]
 
 
 def write_tasks(tasks: list[Task], path: Path) -> Path:
@@ -232,45 +204,21 @@ class Trainer:
         return state
 
     def filter_pool(self, state: RunState) -> list[Task]:
-        """The tasks the rounds draw from: those whose pass rate under the policy the rounds start from lies in
-        [pool_min_pass, pool_max_pass]. Measured once, before round 1 (n samples of every task at the rollout
-        temperature), and kept in pool.jsonl, which a resumed run reads back."""
+        """The tasks the rounds draw from (train/pool.py): measured once, before round 1 (n samples of every
+        task at the rollout temperature), and kept in pool.jsonl, which a resumed run reads back."""
         c = self.config
         pool_file = self.folder.path / "pool.jsonl"
         if not state.pool_done:
             started = time.perf_counter()
             summary = self.rollouts(write_tasks(self.tasks, self.folder.path / "rounds" / "pool" / "tasks.jsonl"),
                                     c.n, "pool pass rates", c.temperature, c.max_tokens)
-            rewards: dict[str, list[float]] = {t.task_id: [] for t in self.tasks}
-            for result in summary.results:
-                if result.reward is not None:
-                    rewards[result.task_id].append(result.reward)
-            rows = []
-            for task in self.tasks:
-                got = rewards[task.task_id]
-                rate = sum(x >= c.pool_pass_reward for x in got) / len(got) if got else None
-                rows.append({"task_id": task.task_id, "samples": len(got), "pass_rate": rate,
-                             "kept": rate is not None and c.pool_min_pass <= rate <= c.pool_max_pass})
+            rows = pass_rates(self.tasks, summary.results, c.pool_pass_reward, c.pool_min_pass, c.pool_max_pass)
             write_atomically(pool_file, "".join(json.dumps(row) + "\n" for row in rows))
-            rates = [row["pass_rate"] for row in rows if row["pass_rate"] is not None]
             state.pool_done = True
-            self._commit(state, {"round": state.rounds_completed, "phase": "pool", "pool_tasks": len(rows),
-                                 "pool_kept": sum(row["kept"] for row in rows),
-                                 "pool_never": sum(rate == 0 for rate in rates),
-                                 "pool_always": sum(rate == 1 for rate in rates),
-                                 "pool_unscored": len(rows) - len(rates),
+            self._commit(state, {"round": state.rounds_completed, "phase": "pool", **pool_record(rows),
                                  "rollout_seconds": time.perf_counter() - started})
-        rows = [json.loads(line) for line in pool_file.read_text().splitlines() if line.strip()]
-        kept = {row["task_id"] for row in rows if row["kept"]}
-        tasks = [task for task in self.tasks if task.task_id in kept]
-        if not tasks:
-            rates = sorted(row["pass_rate"] for row in rows if row["pass_rate"] is not None)
-            raise UserError(f"the pool filter kept no task: of {len(rows)} tasks none has a pass rate in "
-                            f"[{c.pool_min_pass}, {c.pool_max_pass}] (pass: reward >= {c.pool_pass_reward}; "
-                            f"{len(rates)} scored, pass rates from {rates[0] if rates else None} to "
-                            f"{rates[-1] if rates else None}; see {pool_file}). Give more or other tasks, widen "
-                            f"the range, or lower pool_pass_reward")
-        log.info("pool filter: %d of %d tasks kept (pass rate in [%s, %s])", len(tasks), len(rows),
+        tasks = kept_tasks(self.tasks, pool_file, c.pool_pass_reward, c.pool_min_pass, c.pool_max_pass)
+        log.info("pool filter: %d of %d tasks kept (pass rate in [%s, %s])", len(tasks), len(self.tasks),
                  c.pool_min_pass, c.pool_max_pass)
         return tasks
 

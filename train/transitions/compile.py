@@ -136,8 +136,10 @@ def _reward_name(config: CompileConfig, read: trajectories.Read) -> str:
     if names.height == 1:
         return names["name"][0]
     if names.height == 0:
-        raise UserError("the store has no rewards yet: run rollouts with a reward function, or emit_reward() in the agent")
-    raise UserError(f"several rewards are stored ({', '.join(names['name'].to_list())}): choose one (reward; compile --reward)")
+        raise UserError("the store has no rewards yet: run rollouts with a reward function, or emit_reward() in "
+                        "the agent")
+    raise UserError(f"several rewards are stored ({', '.join(names['name'].to_list())}): choose one (reward; "
+                    f"compile --reward)")
 
 
 def compile_transitions(config: CompileConfig) -> tuple[pl.DataFrame, Accounting]:
