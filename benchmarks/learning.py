@@ -54,41 +54,27 @@ from lightning_otel.span_store import client
 from lightning_otel.serve.serving import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
-from spider_rename import renamed_tasks, with_renamed
-from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, TOKEN, repair_tasks
-from spider_synth import round_robin, synthesize
+from lightning_otel.tasks.spider import linking
+from lightning_otel.tasks.spider.linking import LINKED_LABEL, LINKED_MAX_TOKENS, SQL_LABEL
+from lightning_otel.tasks.spider.renaming import renamed_tasks, with_renamed
+from lightning_otel.tasks.spider.repair import REPAIR_LABELS, REPAIR_UNTRAINED, repair_tasks
+from lightning_otel.tasks.spider.splits import HELD_OUT, read_rows, split
+from lightning_otel.tasks.spider.splits import write_rows as write
 
 REPO = Path(__file__).resolve().parent.parent
-HELD_OUT = ("singer", "poker_player", "tvshow")
 GRPO_RENAMED = "_grpo"  # the suffix of the GRPO questions' renamed copies (--grpo-renamed)
-SQL_LABEL = "```sql\n{query}\n```"
-LINKED_LABEL = "{link}\n" + SQL_LABEL  # with --link: the schema lines the query needs, copied first
-LINKED_MAX_TOKENS = 192  # a linked answer's length: its schema lines run ~38 tokens on average, up to ~135
 # The answers to each agent's successive calls on a labelled question; agents not named answer the query only.
 DEMONSTRATIONS = {"sql_agent": [SQL_LABEL, "THE QUERY IS CORRECT"]}
 
 
-def linked_schema(schema: str, query: str) -> str:
-    """The lines of `schema` (one `table(column, ...)` per line, the sql_agent's format) whose table `query`
-    names, in the order the query first names them: an answer that copies these before its query has every
-    name it needs written just before it (schema linking as the answer's first step)."""
-    lines = {line.split("(", 1)[0].lower(): line for line in schema.splitlines()}
-    # the words of the query as spider_repair reads them (quoted text is not a name), in order, each line once
-    return "\n".join(dict.fromkeys(lines[word.lower()] for word in TOKEN.findall(query) if word.lower() in lines))
-
-
 def with_links(rows: list[dict], data: Path) -> list[dict]:
-    """`rows` with their `link` field: linked_schema of the schema the sql_agent shows for the row's database
-    (read from `data`, which holds renamed copies too) and of the row's gold query."""
+    """`rows` with their `link` field (linking.with_links) for the schema the sql_agent shows (read from `data`,
+    which holds renamed copies too)."""
     if str(REPO / "examples" / "sql_agent") not in sys.path:
         sys.path.insert(0, str(REPO / "examples" / "sql_agent"))
     from agent import read_schema
 
-    schemas: dict[str, str] = {}
-    for row in rows:
-        if row["db_id"] not in schemas:
-            schemas[row["db_id"]] = read_schema(str(database_path(data, row["db_id"])))
-    return [{**row, "link": linked_schema(schemas[row["db_id"]], row["query"])} for row in rows]
+    return linking.with_links(rows, data, read_schema)
 
 
 def agent_command(name: str, max_tokens: int | None = None) -> str:
@@ -147,55 +133,6 @@ def weights(checkpoint: Path, base: Path) -> str:
     if not (checkpoint / "merged" / "config.json").is_file():
         merge_adapter(base, checkpoint / "adapter", checkpoint / "merged")
     return str(checkpoint / "merged")
-
-
-def write(rows: list[dict], path: Path) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None, synthetic: int = 0,
-          grpo_synthetic: bool = False) -> dict[str, Path]:
-    """The benchmark's task files in `out`: held-out eval questions, GRPO questions, SFT questions (plus
-    `synthetic` templated questions per training dev database, benchmarks/spider_synth.py, mixed in).
-    With `grpo_synthetic` the GRPO questions are templated ones the SFT set does not hold (the same generator
-    drawn further), spread over the training dev databases, instead of the easiest labelled questions."""
-    data = bundled_data_dir()
-    dev, train_rows = read_rows(data / "dev.jsonl"), read_rows(data / "train.jsonl")
-    held = [r for r in dev if r["db_id"] in HELD_OUT]
-    step = max(1, len(held) // eval_count)
-    evaluation = held[::step][:eval_count]
-    trainable = [r for r in dev if r["db_id"] not in HELD_OUT]
-    # GRPO on easy questions first: a group teaches only when some of its samples succeed. They are in the SFT
-    # set too, so the warm-started policy solves some of them sometimes.
-    grpo = sorted(trainable, key=lambda r: r.get("hardness") != "easy")[:grpo_count]
-    # SFT: the dev databases' questions first (Spider's own style, as the held-out ones), then train.jsonl's
-    # (geo, scholar, restaurants...: older datasets, mostly hard / extra), each spread evenly when cut.
-    if sft_count is None:
-        sft = trainable + train_rows
-    elif sft_count <= len(trainable):
-        sft = trainable[::max(1, len(trainable) // sft_count)][:sft_count]
-    else:
-        rest = sft_count - len(trainable)
-        sft = trainable + train_rows[::max(1, len(train_rows) // rest)][:rest]
-    databases = list(dict.fromkeys(r["db_id"] for r in trainable))
-    extra = -(-grpo_count // len(databases)) if grpo_synthetic else 0
-    # A database's rows are the same for any count up to it (synthesize is prefix-stable), so the first
-    # `synthetic` of each go to SFT as without --grpo-synthetic, and the rest are questions SFT never saw.
-    drawn = {db_id: synthesize(database_path(data, db_id), db_id, synthetic + extra) if synthetic + extra else []
-             for db_id in databases}
-    if synthetic:
-        generated = [row for rows in drawn.values() for row in rows[:synthetic]]
-        sft = round_robin(sft, generated)
-    if grpo_synthetic:
-        fresh = round_robin(*(rows[synthetic:] for rows in drawn.values()))
-        grpo = fresh[:grpo_count]
-    return {"eval": write(evaluation, out / "eval.jsonl"), "sft": write(sft, out / "sft.jsonl"),
-            "grpo": write(grpo, out / "grpo.jsonl")}
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""benchmarks/spider_rename.py: real Spider databases copied under other table and column names, and labelled
-questions moved onto the copies with their gold queries rewritten."""
+"""The Spider pack's renamed databases (lightning_otel.tasks.spider.renaming): real Spider databases copied under
+other table and column names, and labelled questions moved onto the copies with their gold queries rewritten."""
 from __future__ import annotations
 
 import json
@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_rename import KEYWORDS, SUFFIX, rename_database, renamed_tasks, renaming, with_renamed  # noqa: E402
-from spider_repair import schema_names  # noqa: E402
-
-from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, run_query, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.renaming import (KEYWORDS, SUFFIX, rename_database, renamed_tasks, renaming,
+                                                  with_renamed)
+from lightning_otel.tasks.spider.repair import schema_names
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, run_query, spider_exec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sql_agent"))
 from agent import read_schema  # noqa: E402

@@ -1,16 +1,16 @@
-"""benchmarks/spider_synth.py: templated questions over real Spider databases, every query checked there."""
+"""The Spider pack's templated questions (lightning_otel.tasks.spider.synthesis) over real Spider databases,
+every query checked there; the held-out split (splits) and schema-linked labels (linking) built on them."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_synth import (ID_PREFIX, by_database, plural_of, round_robin, singular_of, synthesize,  # noqa: E402
-                          words_of)
-
-from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.linking import LINKED_LABEL, linked_schema, with_links
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec
+from lightning_otel.tasks.spider.splits import HELD_OUT, read_rows, split
+from lightning_otel.tasks.spider.synthesis import (ID_PREFIX, by_database, plural_of, round_robin, singular_of,
+                                                   synthesize, words_of)
 
 
 @pytest.mark.parametrize("name,words,singular,plural", [
@@ -49,8 +49,6 @@ def test_lists_interleave_and_rows_spread_over_their_databases():
 
 
 def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_out_of_the_sft_set(tmp_path):
-    from learning import HELD_OUT, read_rows, split
-
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     files = split(tmp_path / "a", 150, 40, 100, synthetic=20, grpo_synthetic=True)
     plain = split(tmp_path / "b", 150, 40, 100, synthetic=20)
@@ -79,8 +77,6 @@ def sql_agent_example():
 def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agent_still_reads_the_query():
     agent = sql_agent_example()
     extract_sql, read_schema = agent.extract_sql, agent.read_schema
-    from learning import LINKED_LABEL, linked_schema, read_rows, with_links
-
     data = bundled_data_dir()
     schema = read_schema(str(database_path(data, "student_transcripts_tracking")))
     lines = dict((line.split("(")[0], line) for line in schema.splitlines())
@@ -90,7 +86,7 @@ def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agen
     assert linked_schema(schema, query) == "\n".join([lines["Students"], lines["Student_Enrolment_Courses"]])
     assert linked_schema(schema, "SELECT 1") == ""
     rows = read_rows(data / "dev.jsonl")[:200]
-    for row in with_links(rows, data):  # real gold queries: every one names a table of its schema
+    for row in with_links(rows, data, read_schema):  # real gold queries: every one names a table of its schema
         assert row["link"] and set(row["link"].splitlines()) <= set(
             read_schema(str(database_path(data, row["db_id"]))).splitlines()), row
         assert extract_sql(LINKED_LABEL.format(**row)) == " ".join(row["query"].split())

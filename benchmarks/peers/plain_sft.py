@@ -36,13 +36,13 @@ sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
 from agent import CHECK, WRITE, extract_sql, read_schema, review_request, run_sql  # noqa: E402
 from learning import (DEMONSTRATIONS, LINKED_LABEL, LINKED_MAX_TOKENS, SQL_LABEL, read_rows,  # noqa: E402
                       split, with_links)
-from spider_rename import with_renamed  # noqa: E402
-from spider_synth import ID_PREFIX  # noqa: E402
 
 from lightning_otel.serve.engine import default_engine_python  # noqa: E402
 from lightning_otel.eval.metrics import wilson_interval  # noqa: E402
 from lightning_otel.serve.model import resolve_model  # noqa: E402
+from lightning_otel.tasks.spider.renaming import with_renamed  # noqa: E402
 from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.synthesis import ID_PREFIX  # noqa: E402
 
 
 REVIEW_LABEL = DEMONSTRATIONS["sql_agent"][1]  # the reviewer's answer on a gold query
