@@ -6,7 +6,8 @@ batching limits them).
     .venv/bin/python benchmarks/engine_batching.py [--levels 4 16] [--repeats 2] [--model bundled]
 
 The requests: the one-call SQL agent's chat (lightning_otel.tasks.spider.loop_check.messages: schema + question)
-for the learning-loop check's pool of 4 bundled dev questions x 4 samples, max_tokens 32, temperature 0.7, as that check's rounds send them.
+for the learning-loop check's pool of 4 bundled dev questions x 4 samples, max_tokens 32, temperature 0.7, as
+that check's rounds send them.
 Each level runs `--repeats` times, the levels alternating, so a slow stretch of a shared machine hits every level.
 Prints seconds, generated tokens and tokens per second per run, and each level's tokens per second against the
 first level's (summed over its runs). Writes nothing.

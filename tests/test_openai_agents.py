@@ -163,23 +163,3 @@ def test_the_unchanged_script_under_opentelemetry_instrument(gateway, collector,
     assert result.returncode == 0, result.stderr[-3000:]
     gateway.flush()
     check_rollout(db_path, "ro-agents", tokenizer)
-
-
-def test_the_difficulty_probe_changes_only_the_agents_instructions(tmp_path):
-    """benchmarks/math_difficulty.py's three-example cell: a module the worker imports as the agent function,
-    the example agent with other instructions and nothing else changed."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import math_difficulty
-
-    assert math_difficulty.agent_spec(tmp_path, None) == f"{EXAMPLE / 'agent.py'}:run"
-    instructions = math_difficulty.three_examples()
-    assert instructions.count("<tool_call>") == 3 and '"expression": "30 - 8 + 5"' in instructions
-    spec = math_difficulty.agent_spec(tmp_path, instructions)
-    path, function = spec.rsplit(":", 1)
-    probe = subprocess.run([sys.executable, "-c", f"""import importlib.util, sys
-spec = importlib.util.spec_from_file_location("probe", {path!r})
-module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
-import agent
-print(agent.INSTRUCTIONS == {instructions!r}, module.{function} is agent.run, agent.TOOL_CHOICE)"""],
-                           capture_output=True, text=True, cwd=tmp_path)
-    assert probe.stdout.split() == ["True", "True", "required"], probe.stderr[-2000:]

@@ -112,7 +112,8 @@ def test_the_sft_mix_takes_renamed_questions_in_turn_with_the_originals(tmp_path
 
 
 def test_a_second_renaming_is_written_beside_the_first_under_other_names(tmp_path):
-    # learning.py --renamed and --grpo-renamed: the SFT copies and the GRPO questions' own copies in one folder.
+    # benchmarks.learning.spider_agent --renamed and --grpo-renamed: the SFT copies and the GRPO questions' own
+    # copies in one folder.
     rows = rows_of("network_1")
     first = renamed_tasks(rows, bundled_data_dir(), tmp_path, count=10)
     second = renamed_tasks(rows, bundled_data_dir(), tmp_path, count=10, seed=1, suffix="_grpo")

@@ -1,6 +1,6 @@
 """Learning-loop check: does GRPO move the reward it is given, on a fixed pool of tasks, and only that way?
 
-    .venv/bin/python benchmarks/learning_check.py --out /tmp/loop [--rounds 10] [--pool 4] [-n 4] [--autocast]
+    .venv/bin/python -m benchmarks.learning.learning_check --out /tmp/loop [--rounds 10] [--pool 4] [-n 4] [--autocast]
         [--advantage reinforce_pp --kl 0.05]   # REINFORCE++ instead of GRPO's per-rollout advantage
 
 Two runs from the same base model, side by side on one engine, with a one-call SQL agent (the first turn of the
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_knobs import add_knobs, knob_settings
+from benchmarks.learning.grpo_knobs import add_knobs, knob_settings
 from lightning_otel.eval.loop_check import mirrored, round_curve, verdict
 from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.serve.model import resolve_model
@@ -49,7 +49,7 @@ from lightning_otel.tasks.spider.splits import write_rows as write
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 AGENTS = {  # --agent names: agent functions, run in one worker process (or give any command or module:function)
     "one-call": loop_check.AGENT,
     "openai_sql": f"{REPO / 'examples' / 'openai_sql' / 'agent.py'}:run",  # three calls when its SQL fails

@@ -1,7 +1,7 @@
 """Renamed copies of the training databases, and labelled questions asked again on them with their gold query
 rewritten to the new names (lightning_otel.tasks.spider.renaming says why and how).
 
-    .venv/bin/python benchmarks/spider_rename.py --tasks /tmp/learning/sft.jsonl --out /tmp/renamed --count 200
+    .venv/bin/python -m benchmarks.learning.spider_rename --tasks /tmp/learning/sft.jsonl --out /tmp/renamed --count 200
 
 Writes a Spider-layout data folder --out (every bundled database, plus one renamed copy `<db_id>_renamed` of each
 database the tasks use) and the renamed questions as --out/renamed.jsonl. Train with the folder as the run's

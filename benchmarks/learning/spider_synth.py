@@ -1,7 +1,7 @@
 """Templated questions over the training databases, written as a task file: SFT data that teaches reading the
 schema, not the gold set (lightning_otel.tasks.spider.synthesis says how they are made and checked).
 
-    .venv/bin/python benchmarks/spider_synth.py --out /tmp/synth.jsonl --per-db 200 [--db world_1 ...]
+    .venv/bin/python -m benchmarks.learning.spider_synth --out /tmp/synth.jsonl --per-db 200 [--db world_1 ...]
 
 Nothing here reads a held-out database unless named: keep lightning_otel.tasks.spider.splits.HELD_OUT out of
 --db. Rows have the task file's shape (`id`, `db_id`, `question`, `query`, `hardness`).

@@ -1,6 +1,6 @@
 """Tool-use learning benchmark: GRPO on an OpenAI Agents SDK calculator agent, scored on held-out problems.
 
-    .venv/bin/python benchmarks/math_agent.py --out /tmp/math [--rounds 8] [--autocast]   # ~1 h on 2 CPU cores
+    .venv/bin/python -m benchmarks.learning.math_agent --out /tmp/math [--rounds 8] [--autocast]   # ~1 h on 2 CPU cores
 
 The agent is examples/openai_agents_math/agent.py, unchanged: an `openai-agents` Agent with one
 `calculate(expression)` tool, traced by the SDK's own OpenTelemetry instrumentation and run as an agent
@@ -30,15 +30,15 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.examples import example_module
+from benchmarks.learning.grpo_knobs import add_knobs, knob_settings
 from lightning_otel.eval.metrics import outcomes_by_version, sign_test_p
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "openai_agents_math"
-sys.path.insert(0, str(EXAMPLE))
-import problems  # noqa: E402  (the example's generator, not a package)
-from grpo_knobs import add_knobs, knob_settings  # noqa: E402
+problems = example_module("openai_agents_math", "problems")  # the example's generator
 
 AGENT = f"{EXAMPLE / 'agent.py'}:run"
 REWARD = f"{EXAMPLE / 'reward.py'}:shaped"

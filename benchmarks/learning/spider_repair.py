@@ -2,7 +2,8 @@
 query of the kind a small model writes, and the labelled path that repairs it (lightning_otel.tasks.spider.repair
 says how they are made; train them with its REPAIR_LABELS and REPAIR_UNTRAINED).
 
-    .venv/bin/python benchmarks/spider_repair.py --tasks /tmp/learning/sft.jsonl --out /tmp/repair.jsonl --count 200
+    .venv/bin/python -m benchmarks.learning.spider_repair --tasks /tmp/learning/sft.jsonl --out /tmp/repair.jsonl \
+        --count 200
 """
 from __future__ import annotations
 
