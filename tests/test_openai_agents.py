@@ -21,12 +21,12 @@ from lightning_otel.eval.metrics import compute_metrics, outcomes_by_version
 from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 from lightning_otel.tasks.math import last_number
+from tests.helpers.examples import example_module
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "openai_agents_math"
-sys.path.insert(0, str(EXAMPLE))
-import problems  # noqa: E402
-import reward as math_reward  # noqa: E402
+problems = example_module("openai_agents_math", "problems")
+math_reward = example_module("openai_agents_math", "reward")
 
 FORCED = '<tool_call>\n{"name": "'
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
-import sys
 from collections import Counter
 from contextlib import closing
-from pathlib import Path
 
 import pytest
 
@@ -16,9 +14,9 @@ from lightning_otel.tasks.spider.renaming import (KEYWORDS, SUFFIX, rename_datab
                                                   with_renamed)
 from lightning_otel.tasks.spider.repair import schema_names
 from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, run_query, spider_exec
+from tests.helpers.examples import example_module
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sql_agent"))
-from agent import read_schema  # noqa: E402
+read_schema = example_module("sql_agent").read_schema  # the LangGraph example's schema text, as its prompt shows it
 
 
 def rows_of(*databases: str) -> list[dict]:

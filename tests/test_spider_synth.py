@@ -2,8 +2,6 @@
 every query checked there; the held-out split (splits) and schema-linked labels (linking) built on them."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from lightning_otel.tasks.spider.linking import LINKED_LABEL, linked_schema, with_links
@@ -11,6 +9,7 @@ from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path,
 from lightning_otel.tasks.spider.splits import HELD_OUT, read_rows, split
 from lightning_otel.tasks.spider.synthesis import (ID_PREFIX, by_database, plural_of, round_robin, singular_of,
                                                    synthesize, words_of)
+from tests.helpers.examples import example_module
 
 
 @pytest.mark.parametrize("name,words,singular,plural", [
@@ -62,20 +61,8 @@ def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_ou
     assert not any(r["id"].startswith(ID_PREFIX) for r in read_rows(plain["grpo"]))
 
 
-def sql_agent_example():
-    """examples/sql_agent/agent.py as a module of its own name: every example's module is `agent`, and which one
-    `import agent` finds depends on the tests that ran before."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "examples" / "sql_agent" / "agent.py"
-    spec = importlib.util.spec_from_file_location("sql_agent_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agent_still_reads_the_query():
-    agent = sql_agent_example()
+    agent = example_module("sql_agent")
     extract_sql, read_schema = agent.extract_sql, agent.read_schema
     data = bundled_data_dir()
     schema = read_schema(str(database_path(data, "student_transcripts_tracking")))
@@ -95,7 +82,7 @@ def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agen
 def test_the_sql_agent_reads_an_empty_answer_block_as_no_query():
     """An answer of bare fence marks is no query, so the agent's rewrite step keeps the query it had (an untrained
     rewrite call answered "```" and the agent passed that on as its final SQL)."""
-    agent = sql_agent_example()
+    agent = example_module("sql_agent")
     for empty in ("```", "```sql\n```", "``` ```", "```SQLite\n"):
         assert agent.extract_sql(empty) == "", empty
     assert agent.extract_sql("Sure:\n```sql\nSELECT count(*)\nFROM singer\n```") == "SELECT count(*) FROM singer"
