@@ -1,6 +1,7 @@
 """The benchmark scripts' own logic, what they do beyond the package (tests/ tests the package and imports no
 benchmark): plain_sft's prompts are the LangGraph agent's calls and it saves a model folder the agent run starts
-from; spider_agent refuses what it cannot run; math_difficulty's probe changes only the agent's instructions.
+from; spider_agent refuses what it cannot run; the Spider task-file writers run; math_difficulty's probe changes
+only the agent's instructions.
 pytest collects this file with tests/ (testpaths in pyproject.toml)."""
 from __future__ import annotations
 
@@ -79,6 +80,24 @@ def test_spider_agent_from_sft_needs_the_fine_tuned_model_folder(tmp_path):
 def test_spider_agent_refuses_a_negative_round_count(tmp_path):
     proc = run_module("benchmarks.learning.spider_agent", "--out", str(tmp_path), "--rounds", "-1")
     assert proc.returncode == 2 and "--rounds -1: give 0 (evaluate the SFT policy only)" in proc.stderr
+
+
+def test_the_spider_task_file_writers_chain_synthesis_repair_and_renaming(tmp_path):
+    from lightning_otel.tasks.spider.rewards import spider_exec
+    from lightning_otel.tasks.spider.splits import read_rows
+
+    synth, repair, renamed = tmp_path / "synth.jsonl", tmp_path / "repair.jsonl", tmp_path / "renamed"
+    for module, args in [("spider_synth", ["--out", str(synth), "--per-db", "6", "--db", "world_1", "network_1"]),
+                         ("spider_repair", ["--tasks", str(synth), "--out", str(repair), "--count", "4"]),
+                         ("spider_rename", ["--tasks", str(synth), "--out", str(renamed), "--count", "4"])]:
+        proc = run_module(f"benchmarks.learning.{module}", *args)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_rows(synth)
+    assert len(rows) == 12 and {r["db_id"] for r in rows} == {"world_1", "network_1"}
+    assert [r["id"].removesuffix("-repair") for r in read_rows(repair)] == [rows[i]["id"] for i in (0, 6, 1, 7)]
+    moved = read_rows(renamed / "renamed.jsonl")
+    assert len(moved) == 4 and all(r["db_id"].endswith("_renamed") for r in moved)
+    assert all(spider_exec(r, {"final_output": r["query"], "data_dir": str(renamed)}) == 1.0 for r in moved)
 
 
 def test_the_difficulty_probe_changes_only_the_agents_instructions(tmp_path):

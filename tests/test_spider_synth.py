@@ -61,6 +61,21 @@ def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_ou
     assert not any(r["id"].startswith(ID_PREFIX) for r in read_rows(plain["grpo"]))
 
 
+def test_the_sft_set_takes_the_dev_databases_first_and_spreads_a_cut_evenly(tmp_path):
+    data = bundled_data_dir()
+    dev, train = read_rows(data / "dev.jsonl"), read_rows(data / "train.jsonl")
+    trainable = [r for r in dev if r["db_id"] not in HELD_OUT]
+    for name, count, expected in [("all", None, trainable + train),
+                                  ("cut", 42, trainable[::10][:42]),  # every 10th of the 420 dev questions
+                                  ("more", len(trainable) + 5, trainable + train[::210][:5])]:
+        files = split(tmp_path / name, 132, 8, count)
+        assert read_rows(files["sft"]) == expected, name
+        held = read_rows(files["eval"])
+        assert len(held) == 132 and {r["db_id"] for r in held} == set(HELD_OUT)  # every held-out question
+        grpo = read_rows(files["grpo"])  # the easy questions first
+        assert len(grpo) == 8 and {r["hardness"] for r in grpo} == {"easy"} and grpo[0] in trainable
+
+
 def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agent_still_reads_the_query():
     agent = example_module("sql_agent")
     extract_sql, read_schema = agent.extract_sql, agent.read_schema
