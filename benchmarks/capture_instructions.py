@@ -4,7 +4,7 @@ the two totals over N2 - N1 (start-up cancels out). Instruction counts repeat ru
 machine does, which wall time on this 2-core machine does not. The fast server and the collector run
 outside valgrind.
 
-    .venv/bin/python benchmarks/capture_instructions.py --calls 20 60
+    .venv/bin/python -m benchmarks.capture_instructions --calls 20 60
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import capture_overhead  # noqa: E402
+from benchmarks import capture_overhead
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def worker(setup: str, server_url: str, collector_url: str, calls: int) -> None:
@@ -37,9 +37,9 @@ def worker(setup: str, server_url: str, collector_url: str, calls: int) -> None:
 def instructions(setup: str, server_url: str, collector_url: str, calls: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         result = subprocess.run(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", sys.executable, __file__,
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", sys.executable, "-m", __spec__.name,
              "--worker", setup, "--server", server_url, "--collector", collector_url, "--calls", str(calls), "0"],
-            capture_output=True, text=True, timeout=1800)
+            capture_output=True, text=True, timeout=1800, cwd=REPO)  # cwd: where `benchmarks` imports from
     match = re.search(r"Collected : (\d+)", result.stderr)
     if result.returncode != 0 or match is None:
         raise RuntimeError(f"callgrind run failed for {setup}: {result.stderr[-1500:]}")

@@ -5,8 +5,9 @@ batching limits them).
 
     .venv/bin/python benchmarks/engine_batching.py [--levels 4 16] [--repeats 2] [--model bundled]
 
-The requests: the one-call SQL agent's chat (benchmarks/one_call_sql.py: schema + question) for learning_check.py's
-pool of 4 bundled dev questions x 4 samples, max_tokens 32, temperature 0.7, as that check's rounds send them.
+The requests: the one-call SQL agent's chat (lightning_otel.tasks.spider.loop_check.messages: schema + question)
+for the learning-loop check's pool of 4 bundled dev questions x 4 samples, max_tokens 32, temperature 0.7, as
+that check's rounds send them.
 Each level runs `--repeats` times, the levels alternating, so a slow stretch of a shared machine hits every level.
 Prints seconds, generated tokens and tokens per second per run, and each level's tokens per second against the
 first level's (summed over its runs). Writes nothing.
@@ -15,18 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning_check import DATABASES, pick  # noqa: E402
-from one_call_sql import messages  # noqa: E402
-
-from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
-from lightning_otel.serve.model import resolve_model  # noqa: E402
-from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path  # noqa: E402
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.serve.model import resolve_model
+from lightning_otel.tasks.spider.loop_check import DATABASES, messages, pick
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
 
 
 def requests(questions: int, samples: int, max_tokens: int) -> list[dict]:

@@ -3,7 +3,7 @@ started with vLLM's default (one core kept: VLLM_CPU_NUM_OF_RESERVED_CPU=1) and 
 starts on a machine with few cores (none kept: 0; lightning_otel.serve.engine.engine_cpu_env), one engine at a time,
 the two alternating.
 
-    .venv/bin/python benchmarks/engine_cores.py [--repeats 2] [--concurrency 16] [--model bundled]
+    .venv/bin/python -m benchmarks.engine_cores [--repeats 2] [--concurrency 16] [--model bundled]
 
 The requests are engine_batching.py's: learning_check.py's pool of 4 bundled dev questions x 4 samples as the
 one-call SQL agent asks them, max_tokens 32, temperature 0.7. Each engine is started, warmed up with two
@@ -17,15 +17,12 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_batching import requests, timed  # noqa: E402
-
-from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
-from lightning_otel.serve.model import resolve_model  # noqa: E402
+from benchmarks.engine_batching import requests, timed
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.serve.model import resolve_model
 
 SETTINGS = {"one kept (vLLM default)": "1", "none kept": "0"}
 

@@ -1,7 +1,7 @@
 """Does the serving engine see and answer the same prompt as training? The sql_agent's first call on held-out
 Spider questions, sent through the vLLM engine's chat endpoint and built the way training builds it.
 
-    .venv/bin/python benchmarks/engine_parity.py [--model FOLDER] [--questions 8] [--max-tokens 48]
+    .venv/bin/python -m benchmarks.engine_parity [--model FOLDER] [--questions 8] [--max-tokens 48]
 
 For each question: are the engine's recorded prompt token ids the ids that SFT trains on (the tokenizer's chat
 template as text, encoded without extra special tokens: benchmarks/peers/plain_sft.py `Prompts.ids`)? And does
@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "benchmarks" / "peers")]
-from plain_sft import Prompts  # noqa: E402  (puts benchmarks on the path)
-from learning import HELD_OUT  # noqa: E402
-
-from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python  # noqa: E402
-from lightning_otel.serve.model import resolve_model  # noqa: E402
-from lightning_otel.tasks.spider.rewards import bundled_data_dir  # noqa: E402
+from benchmarks.peers.plain_sft import Prompts
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.serve.model import resolve_model
+from lightning_otel.tasks.spider.rewards import bundled_data_dir
+from lightning_otel.tasks.spider.splits import HELD_OUT
 
 
 def held_out_rows(data: Path, count: int) -> list[dict]:

@@ -1,6 +1,6 @@
 """Sustained ingest: spans/s from OTLP/HTTP request to committed DuckDB row, side by side in one run.
 
-    .venv/bin/python benchmarks/ingest_throughput.py --spans 1000000 [--agl-python /work/venvs/agl/bin/python]
+    .venv/bin/python -m benchmarks.ingest_throughput --spans 1000000 [--agl-python /work/venvs/agl/bin/python]
 
 Contenders, each a real server process on 127.0.0.1 fed by the same load generator (pre-encoded
 protobuf bodies of 512 openai.chat-shaped spans, ~1.2 KB and ~20 attributes each, fresh ids per send,
@@ -26,11 +26,10 @@ from pathlib import Path
 
 import psutil
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import synthetic  # noqa: E402
+from benchmarks import synthetic
+from lightning_otel.span_store import client, discovery
 
-from lightning_otel.span_store import client, discovery  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def start_collector(db: Path, script: list[str]) -> tuple[subprocess.Popen, discovery.CollectorInfo]:

@@ -1,13 +1,13 @@
 """Where does the calculator agent start? The base policy's greedy accuracy on held-out problems, by difficulty.
 
-    .venv/bin/python benchmarks/math_difficulty.py --out /tmp/math-difficulty [--count 48] [--model PATH]
+    .venv/bin/python -m benchmarks.math_difficulty --out /tmp/math-difficulty [--count 48] [--model PATH]
 
-The tool-use benchmark (math_agent.py) asks for a difficulty at which the starting policy solves 10-40% of
-the problems. This measures the base policy (the bundled SmolLM2-135M by default) on the test split at two
-difficulties, one-operation and two-operation problems (examples/openai_agents_math/problems.py), each with
-the agent as it is (one worked example in its instructions) and with three worked examples (one per kind of
-operation mix). Everything else is the benchmark's: the agent function in one worker, greedy, 48 tokens a
-call, scored by `number_match`. One engine serves every cell.
+The tool-use benchmark (benchmarks/learning/math_agent.py) asks for a difficulty at which the starting policy
+solves 10-40% of the problems. This measures the base policy (the bundled SmolLM2-135M by default) on the test
+split at two difficulties, one-operation and two-operation problems (examples/openai_agents_math/problems.py),
+each with the agent as it is (one worked example in its instructions) and with three worked examples (one per
+kind of operation mix). Everything else is the benchmark's: the agent function in one worker, greedy, 48 tokens
+a call, scored by `number_match`. One engine serves every cell.
 
 Written to <out>: math_difficulty.json (accuracy per cell, and per cell the first answers: the tool calls'
 arguments and the reply, read from the tool spans).
@@ -16,27 +16,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from benchmarks.examples import example_module
+from benchmarks.learning.math_agent import write
 from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "openai_agents_math"
-sys.path.insert(0, str(EXAMPLE))
-import problems  # noqa: E402  (the example's generator, not a package)
-import reward  # noqa: E402
-from math_agent import write  # noqa: E402
+problems = example_module("openai_agents_math", "problems")  # the example's generator
+reward = example_module("openai_agents_math", "reward")
 
 CALL = '<tool_call>\n{{"name": "calculate", "arguments": {{"expression": "{0}"}}}}\n</tool_call>'
 EXAMPLES = [("Sam has 12 bags of 4 apples and 7 more apples. How many apples does Sam have?", "12 * 4 + 7", 55),
             ("A jar has 30 sweets. Tom eats 8 and then adds 5. How many sweets are in the jar?", "30 - 8 + 5", 27),
             ("Mia walks 3 km, then 9 km, then 6 km. How far does she walk?", "3 + 9 + 6", 18)]
-# The agent with other instructions: a module the worker imports, which changes nothing but INSTRUCTIONS.
-WRAPPER = """import sys
-sys.path.insert(0, {example!r})
-import agent
+# The agent with other instructions: a module the worker imports, which loads the example's agent.py as a module
+# of its own (`agent` here, as an import would: registered before it runs) and changes nothing in it but
+# INSTRUCTIONS.
+WRAPPER = """import importlib.util
+import sys
+spec = importlib.util.spec_from_file_location("agent_with_other_instructions", {agent!r})
+agent = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(agent)
 agent.INSTRUCTIONS = {instructions!r}
 run = agent.run
 """
@@ -52,7 +55,7 @@ def agent_spec(out: Path, instructions: str | None) -> str:
     if instructions is None:
         return f"{EXAMPLE / 'agent.py'}:run"
     wrapper = out / "agent_three_examples.py"
-    wrapper.write_text(WRAPPER.format(example=str(EXAMPLE), instructions=instructions))
+    wrapper.write_text(WRAPPER.format(agent=str(EXAMPLE / "agent.py"), instructions=instructions))
     return f"{wrapper}:run"
 
 

@@ -120,6 +120,22 @@ def sign_test_p(better: int, worse: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def outcomes_by_version(db: Path, task_ids: set[str] | list[str]) -> dict[int, dict[str, float]]:
+    """Per policy version in the store `db`, each of `task_ids`' outcome: 1.0 when an episode reward of one of
+    its rollouts by that version reached 1 (right), else 0.0. A task has an entry for a version only where a
+    rollout of it by that version was rewarded; comparing two versions task by task (sign_test_p on the tasks
+    whose outcome changed) is the paired test of a validation set scored every few rounds."""
+    listed = ", ".join(client.sql_literal(i) for i in sorted(task_ids)) or "NULL"
+    rows = client.query(f"""
+        SELECT r.policy_version AS version, r.task_id, max(w.value) AS reward
+        FROM rollouts r JOIN rewards w ON w.rollout_id = r.rollout_id AND w.span_id IS NULL
+        WHERE r.task_id IN ({listed}) GROUP BY ALL""", db).to_dicts()
+    by_version: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_version.setdefault(int(row["version"]), {})[row["task_id"]] = float(row["reward"] >= 1.0)
+    return by_version
+
+
 def group_key(order: list[str] | tuple[str, ...]):
     """Sort key for group values: the task pack's order first, then the rest by name."""
     return lambda name: (order.index(name), name) if name in order else (len(order), name)

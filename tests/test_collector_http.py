@@ -14,8 +14,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from conftest import health, post
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
-from sdk import chat_span, logger_provider, tracer_provider
-from tests_otlp_json import request_to_json
+from tests.helpers.sdk import chat_span, logger_provider, tracer_provider
+from tests.helpers.otlp_json import request_to_json
 
 
 def count(db, sql="SELECT count(*) AS n FROM spans") -> int:

@@ -14,7 +14,7 @@ from lightning_otel.span_store import client
 from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 from lightning_otel.train.transitions.credit import EPS
 from lightning_otel.train.transitions.trajectories import TOKEN_MISMATCH
-from sdk import tracer_provider
+from tests.helpers.sdk import tracer_provider
 
 # rollout -> (task, status, reward, [(agent, has token record)] )
 ROLLOUTS = {

@@ -17,11 +17,12 @@ import pytest
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.eval import EvalConfig, evaluate
-from lightning_otel.eval.metrics import sign_test_p, wilson_interval
+from lightning_otel.eval.metrics import outcomes_by_version, sign_test_p, wilson_interval
 from lightning_otel.eval.report import (comparison_rows, paired_comparison, paired_line, read_rounds,
                                         terminal_summary)
 from lightning_otel.serve.model import bundled_model_dir
 from lightning_otel.serve.policy import resolve_policy
+from lightning_otel.span_store import client
 from lightning_otel.tasks.spider import PACK as SPIDER
 from lightning_otel.tasks.spider.outcomes import SQL_RAN
 from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
@@ -419,6 +420,21 @@ def test_the_sign_test_is_mcnemars_exact_test_on_discordant_pairs():
     assert sign_test_p(9, 21) == sign_test_p(21, 9) == pytest.approx(0.0427739, abs=1e-6)
     assert sign_test_p(0, 6) == pytest.approx(2 / 64)
     assert sign_test_p(3, 3) == sign_test_p(0, 0) == 1.0
+    assert sign_test_p(19, 0) == pytest.approx(2 / 2 ** 19)
+    assert sign_test_p(3, 5) == sign_test_p(5, 3) == pytest.approx(2 * (1 + 8 + 28 + 56) / 256)
+
+
+def test_outcomes_by_version_read_each_tasks_best_episode_reward_per_policy_version(make_collector, db_path):
+    make_collector().close()  # the store's file, written without a collector
+    runs = [("ro-1", "t1", 0, 0.0), ("ro-2", "t1", 0, 1.0), ("ro-3", "t2", 0, 0.6), ("ro-4", "t1", 4, 0.0),
+            ("ro-5", "t2", 4, 1.0), ("ro-6", "t3", 4, 1.0), ("ro-7", "t2", 8, None)]
+    client.write_records(db_path, "rollout_runs", [
+        {"rollout_id": r, "task_id": t, "attempt": 0, "policy_version": v, "status": "ok"} for r, t, v, _ in runs])
+    client.write_records(db_path, "rewards", [{"rollout_id": r, "name": "number_match", "value": w,
+                                               "source": "function"} for r, _, _, w in runs if w is not None])
+    # t1 right at version 0 (one of its two samples), t3 not asked for, version 8 never rewarded
+    assert outcomes_by_version(db_path, {"t1", "t2"}) == {0: {"t1": 1.0, "t2": 0.0}, 4: {"t1": 0.0, "t2": 1.0}}
+    assert outcomes_by_version(db_path, set()) == {}
 
 
 def test_paired_comparison_goes_task_by_task():

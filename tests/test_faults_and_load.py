@@ -9,7 +9,7 @@ import pytest
 
 from conftest import health, post
 from lightning_otel.span_store import client, discovery
-from sdk import chat_span, tracer_provider
+from tests.helpers.sdk import chat_span, tracer_provider
 from test_collector_http import sample_request
 
 

@@ -94,8 +94,8 @@ def squash(text: str) -> str:
 def test_example_agent_calls_join_token_records(name, gateway, collector, db_path, tokenizer, tmp_path):
     bin_dir, agents = FRAMEWORKS[name]
     task = singer_task()
-    # The LangGraph agent's answer length is an option (learning.py --link raises it): asked for 24 tokens, no call
-    # gets more, where the untrained model runs on to the default 96.
+    # The LangGraph agent's answer length is an option (benchmarks.learning.spider_agent --link raises it): asked
+    # for 24 tokens, no call gets more, where the untrained model runs on to the default 96.
     extra = ("--max-tokens", "24") if name == "sql_agent" else ()
     stdout = run_example(name, bin_dir, gateway, collector, tmp_path, task["question"], extra)
     gateway.flush()

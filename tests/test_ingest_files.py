@@ -28,8 +28,8 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from lightning_otel.cli import main
 from lightning_otel.span_store import client, otlp_files
-from sdk import chat_span, logger_provider, tracer_provider
-from tests_otlp_json import request_to_json
+from tests.helpers.sdk import chat_span, logger_provider, tracer_provider
+from tests.helpers.otlp_json import request_to_json
 
 # SDK 1.40 (the floor) names it LogExporter; later ones LogRecordExporter.
 LogRecordExporter = getattr(log_export, "LogRecordExporter", None) or log_export.LogExporter

@@ -1,4 +1,4 @@
-"""The runner's in-process mode on real components: agent functions (tests/inprocess_agents.py, and the
+"""The runner's in-process mode on real components: agent functions (tests/helpers/inprocess_agents.py, and the
 plain-SDK example's `run`) called in one worker process under opentelemetry-instrument, through the real
 gateway over vLLM (the `engine` fixture), into the real collector and DuckDB store."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 
 HERE = Path(__file__).resolve().parent
-HELPERS = HERE / "inprocess_agents.py"
+HELPERS = HERE / "helpers" / "inprocess_agents.py"
 EXAMPLE = HERE.parent / "examples" / "openai_sql" / "agent.py"
 NOWHERE = "http://127.0.0.1:9/v1"  # for agents that make no model call
 
@@ -285,19 +285,19 @@ def test_bad_agent_functions_fail_before_any_rollout(db_path, tmp_path, agent, n
 
 
 def test_a_module_spec_and_the_cli(db_path, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PYTHONPATH", str(HERE))  # the worker imports the module as the runner does
+    monkeypatch.setenv("PYTHONPATH", str(HERE.parent))  # the worker imports the module as the runner does
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "db_id": "singer", "question": i,
                                                      "query": "SELECT count(*) FROM singer"}
                                                     for i in ("ok-1", "raise-1")])
-    code = main(["rollout", "--tasks", str(tasks), "--agent", "inprocess_agents:by_task", "-n", "2",
+    code = main(["rollout", "--tasks", str(tasks), "--agent", "tests.helpers.inprocess_agents:by_task", "-n", "2",
                  "--concurrency", "2", "--db", str(db_path), "--base-url", NOWHERE, "--reward", "spider_exec",
-                 "--timeout", "20"])
+                 "--rollout-timeout", "20"])
     out = capsys.readouterr().out
     assert code == 0
     assert "4 rollouts: 2 ok, 2 failed, 0 timed out, 0 could not start" in out
     assert "reward spider_exec: mean 0.500 over 4 scored rollouts" in out
-    assert main(["rollout", "--tasks", str(tasks), "--agent", "inprocess_agents:nope", "--db", str(db_path),
-                 "--base-url", NOWHERE]) == 2
+    assert main(["rollout", "--tasks", str(tasks), "--agent", "tests.helpers.inprocess_agents:nope", "--db",
+                 str(db_path), "--base-url", NOWHERE]) == 2
 
 
 def test_llm_gives_an_openai_client_on_the_rollouts_url():

@@ -43,7 +43,7 @@ def test_conversion_reloads_identically(tmp_path, monkeypatch):
 
 @pytest.mark.heavy
 def test_conversion_with_own_chat_template_and_stop_tokens(tmp_path):
-    """What benchmarks/gemma_model.py relies on: a GGUF without a usable chat template gets one, and a
+    """What benchmarks/learning/gemma_model.py relies on: a GGUF without a usable chat template gets one, and a
     turn-end token becomes a stop token next to eos; a token the vocabulary lacks is refused up front."""
     python = default_engine_python(REPO)
     with pytest.raises(UserError, match=r"stop tokens not in the model's vocabulary: \['<no such token>'\]"):

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from lightning_otel.eval.metrics import compute_metrics
+from lightning_otel.eval.metrics import compute_metrics, outcomes_by_version
 from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client
 from lightning_otel.tasks.math import last_number
+from tests.helpers.examples import example_module
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "openai_agents_math"
-sys.path.insert(0, str(EXAMPLE))
-import problems  # noqa: E402
-import reward as math_reward  # noqa: E402
+problems = example_module("openai_agents_math", "problems")
+math_reward = example_module("openai_agents_math", "reward")
 
 FORCED = '<tool_call>\n{"name": "'
 
@@ -117,13 +117,11 @@ def test_the_agent_function_runs_in_the_worker_with_one_record_per_request(engin
     assert set(metrics["failure_classes"]) == {"correct", "wrong", "agent_error", "timeout", "unscored"}
     assert metrics["transitions_per_episode"]["mean"] == pytest.approx(served / 6)
     assert metrics["latency"]["llm_call_ms"]["calls"] == served
-    # benchmarks/math_agent.py reads each problem's outcome per policy version back from the store, by task id
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import math_agent
-
+    # each problem's outcome per policy version, read back from the store by task id (the math benchmark's paired
+    # test compares the base model's validation with the last one's this way)
     right = {r.task_id: max(float(x.reward == 1.0) for x in summary.results if x.task_id == r.task_id)
              for r in summary.results}
-    assert math_agent.outcomes(tmp_path, set(right)) == {0: right}
+    assert outcomes_by_version(db, set(right)) == {0: right}
     assert sorted(right) == [f"train-0-000{i}" for i in range(3)]
 
 
@@ -165,33 +163,3 @@ def test_the_unchanged_script_under_opentelemetry_instrument(gateway, collector,
     assert result.returncode == 0, result.stderr[-3000:]
     gateway.flush()
     check_rollout(db_path, "ro-agents", tokenizer)
-
-
-def test_the_paired_test_is_exact_mcnemar():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import math_agent
-
-    assert math_agent.mcnemar_p(0, 0) == 1.0
-    assert math_agent.mcnemar_p(19, 0) == pytest.approx(2 / 2 ** 19)
-    assert math_agent.mcnemar_p(3, 5) == math_agent.mcnemar_p(5, 3) == pytest.approx(2 * (1 + 8 + 28 + 56) / 256)
-    assert math_agent.mcnemar_p(4, 4) == 1.0
-
-
-def test_the_difficulty_probe_changes_only_the_agents_instructions(tmp_path):
-    """benchmarks/math_difficulty.py's three-example cell: a module the worker imports as the agent function,
-    the example agent with other instructions and nothing else changed."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import math_difficulty
-
-    assert math_difficulty.agent_spec(tmp_path, None) == f"{EXAMPLE / 'agent.py'}:run"
-    instructions = math_difficulty.three_examples()
-    assert instructions.count("<tool_call>") == 3 and '"expression": "30 - 8 + 5"' in instructions
-    spec = math_difficulty.agent_spec(tmp_path, instructions)
-    path, function = spec.rsplit(":", 1)
-    probe = subprocess.run([sys.executable, "-c", f"""import importlib.util, sys
-spec = importlib.util.spec_from_file_location("probe", {path!r})
-module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
-import agent
-print(agent.INSTRUCTIONS == {instructions!r}, module.{function} is agent.run, agent.TOOL_CHOICE)"""],
-                           capture_output=True, text=True, cwd=tmp_path)
-    assert probe.stdout.split() == ["True", "True", "required"], probe.stderr[-2000:]

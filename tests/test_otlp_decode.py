@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from lightning_otel.span_store import otlp
-from tests_otlp_json import request_to_json
+from tests.helpers.otlp_json import request_to_json
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 text = st.text(max_size=20)

@@ -77,7 +77,7 @@ def test_db_path_comes_from_the_spider_pack_not_from_the_runner(tmp_path):
     for config in (RolloutConfig(tasks=tasks_file, agent=AGENT, base_url="http://127.0.0.1:9/v1",
                                  reward="spider_exec"),
                    RolloutConfig(tasks=tasks_file, agent=AGENT, base_url="http://127.0.0.1:9/v1",
-                                 reward="train_rewards:concise_sql", task_pack="spider")):
+                                 reward="tests.helpers.train_rewards:concise_sql", task_pack="spider")):
         assert config.pack is SPIDER and config.data_dir == SPIDER.default_data_dir()
         check_inputs(config, tasks)
     missing = spider_task_file(tmp_path, db_id="no_such_db")
@@ -95,7 +95,7 @@ def test_the_spider_setup_gives_each_rollout_its_own_database(tmp_path):
 
 
 def test_installed_packs_are_found_by_entry_point(monkeypatch):
-    monkeypatch.setattr(packs, "_entry_points", lambda: {"gold": "train_rewards:GOLD_PACK"})
+    monkeypatch.setattr(packs, "_entry_points", lambda: {"gold": "tests.helpers.train_rewards:GOLD_PACK"})
     assert "gold" in packs.pack_names()
     assert registered_rewards()["gold_only"].name == "gold"
     assert pack_for_reward("gold_only").name == "gold"

@@ -20,7 +20,7 @@ from lightning_otel.rollouts.runner import RolloutConfig, Runner, Task, agent_to
 from lightning_otel.span_store import client, discovery
 from lightning_otel.span_store.collector import Collector, CollectorConfig, private_config
 from lightning_otel.train.transitions import trajectories
-from sdk import tracer_provider
+from tests.helpers.sdk import tracer_provider
 
 TOKENS = {"ingest": "in-token", "query": "query-token", "admin": "admin-token"}
 BODIES = {  # path -> (content type, a body each route answers 200)
@@ -161,7 +161,8 @@ FORGER = textwrap.dedent("""
 
 
 def test_an_agent_cannot_write_or_overwrite_its_own_reward(tmp_path, monkeypatch):
-    monkeypatch.setitem(packs.BUILTIN, "gold", "train_rewards:GOLD_PACK")  # registers the reward gold_only
+    # registers the reward gold_only
+    monkeypatch.setitem(packs.BUILTIN, "gold", "tests.helpers.train_rewards:GOLD_PACK")
     monkeypatch.setenv("LIGHTNING_OTEL_INSTRUMENTATIONS", "openai")  # a faster agent start, same distro
     (tmp_path / "forger.py").write_text(FORGER)
     tasks = tmp_path / "tasks.jsonl"

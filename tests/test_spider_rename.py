@@ -1,25 +1,22 @@
-"""benchmarks/spider_rename.py: real Spider databases copied under other table and column names, and labelled
-questions moved onto the copies with their gold queries rewritten."""
+"""The Spider pack's renamed databases (lightning_otel.tasks.spider.renaming): real Spider databases copied under
+other table and column names, and labelled questions moved onto the copies with their gold queries rewritten."""
 from __future__ import annotations
 
 import json
 import random
 import sqlite3
-import sys
 from collections import Counter
 from contextlib import closing
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_rename import KEYWORDS, SUFFIX, rename_database, renamed_tasks, renaming, with_renamed  # noqa: E402
-from spider_repair import schema_names  # noqa: E402
+from lightning_otel.tasks.spider.renaming import (KEYWORDS, SUFFIX, rename_database, renamed_tasks, renaming,
+                                                  with_renamed)
+from lightning_otel.tasks.spider.repair import schema_names
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, run_query, spider_exec
+from tests.helpers.examples import example_module
 
-from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, run_query, spider_exec  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sql_agent"))
-from agent import read_schema  # noqa: E402
+read_schema = example_module("sql_agent").read_schema  # the LangGraph example's schema text, as its prompt shows it
 
 
 def rows_of(*databases: str) -> list[dict]:
@@ -113,7 +110,8 @@ def test_the_sft_mix_takes_renamed_questions_in_turn_with_the_originals(tmp_path
 
 
 def test_a_second_renaming_is_written_beside_the_first_under_other_names(tmp_path):
-    # learning.py --renamed and --grpo-renamed: the SFT copies and the GRPO questions' own copies in one folder.
+    # benchmarks.learning.spider_agent --renamed and --grpo-renamed: the SFT copies and the GRPO questions' own
+    # copies in one folder.
     rows = rows_of("network_1")
     first = renamed_tasks(rows, bundled_data_dir(), tmp_path, count=10)
     second = renamed_tasks(rows, bundled_data_dir(), tmp_path, count=10, seed=1, suffix="_grpo")

@@ -1,5 +1,6 @@
-"""benchmarks/spider_repair.py: wrong first queries made from gold ones on real Spider databases, and the labelled
-repair path they start, walked by the real LangGraph agent through the gateway."""
+"""The Spider pack's repair paths (lightning_otel.tasks.spider.repair): wrong first queries made from gold ones on
+real Spider databases, and the labelled repair path they start, walked by the real LangGraph agent through the
+gateway."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,9 @@ from collections import Counter
 from contextlib import closing
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_repair import REPAIR_LABELS, corrupt, name_variants, repair_tasks, replace_word, schema_names  # noqa: E402
-
-from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.repair import (REPAIR_LABELS, REPAIR_UNTRAINED, corrupt, name_variants, repair_tasks,
+                                                replace_word, schema_names)
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec
 
 
 def rows_of(*databases: str) -> list[dict]:
@@ -77,7 +77,6 @@ def test_the_langgraph_agent_walks_the_repair_path_and_only_the_repair_is_traine
 
     from lightning_otel.rollouts.runner import RolloutConfig, load_tasks, run_rollouts
     from lightning_otel.train.sft import call_prompts, demonstration_rows
-    from spider_repair import REPAIR_UNTRAINED
 
     data = bundled_data_dir()
     made = repair_tasks(rows_of("world_1"), lambda db_id: database_path(data, db_id), 2, seed=2)

@@ -1,16 +1,15 @@
-"""benchmarks/spider_synth.py: templated questions over real Spider databases, every query checked there."""
+"""The Spider pack's templated questions (lightning_otel.tasks.spider.synthesis) over real Spider databases,
+every query checked there; the held-out split (splits) and schema-linked labels (linking) built on them."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from spider_synth import (ID_PREFIX, by_database, plural_of, round_robin, singular_of, synthesize,  # noqa: E402
-                          words_of)
-
-from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
+from lightning_otel.tasks.spider.linking import LINKED_LABEL, linked_schema, with_links
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec
+from lightning_otel.tasks.spider.splits import HELD_OUT, read_rows, split
+from lightning_otel.tasks.spider.synthesis import (ID_PREFIX, by_database, plural_of, round_robin, singular_of,
+                                                   synthesize, words_of)
+from tests.helpers.examples import example_module
 
 
 @pytest.mark.parametrize("name,words,singular,plural", [
@@ -49,8 +48,6 @@ def test_lists_interleave_and_rows_spread_over_their_databases():
 
 
 def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_out_of_the_sft_set(tmp_path):
-    from learning import HELD_OUT, read_rows, split
-
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     files = split(tmp_path / "a", 150, 40, 100, synthetic=20, grpo_synthetic=True)
     plain = split(tmp_path / "b", 150, 40, 100, synthetic=20)
@@ -64,23 +61,24 @@ def test_the_learning_split_keeps_held_out_databases_apart_and_grpo_questions_ou
     assert not any(r["id"].startswith(ID_PREFIX) for r in read_rows(plain["grpo"]))
 
 
-def sql_agent_example():
-    """examples/sql_agent/agent.py as a module of its own name: every example's module is `agent`, and which one
-    `import agent` finds depends on the tests that ran before."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "examples" / "sql_agent" / "agent.py"
-    spec = importlib.util.spec_from_file_location("sql_agent_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_the_sft_set_takes_the_dev_databases_first_and_spreads_a_cut_evenly(tmp_path):
+    data = bundled_data_dir()
+    dev, train = read_rows(data / "dev.jsonl"), read_rows(data / "train.jsonl")
+    trainable = [r for r in dev if r["db_id"] not in HELD_OUT]
+    for name, count, expected in [("all", None, trainable + train),
+                                  ("cut", 42, trainable[::10][:42]),  # every 10th of the 420 dev questions
+                                  ("more", len(trainable) + 5, trainable + train[::210][:5])]:
+        files = split(tmp_path / name, 132, 8, count)
+        assert read_rows(files["sft"]) == expected, name
+        held = read_rows(files["eval"])
+        assert len(held) == 132 and {r["db_id"] for r in held} == set(HELD_OUT)  # every held-out question
+        grpo = read_rows(files["grpo"])  # the easy questions first
+        assert len(grpo) == 8 and {r["hardness"] for r in grpo} == {"easy"} and grpo[0] in trainable
 
 
 def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agent_still_reads_the_query():
-    agent = sql_agent_example()
+    agent = example_module("sql_agent")
     extract_sql, read_schema = agent.extract_sql, agent.read_schema
-    from learning import LINKED_LABEL, linked_schema, read_rows, with_links
-
     data = bundled_data_dir()
     schema = read_schema(str(database_path(data, "student_transcripts_tracking")))
     lines = dict((line.split("(")[0], line) for line in schema.splitlines())
@@ -90,7 +88,7 @@ def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agen
     assert linked_schema(schema, query) == "\n".join([lines["Students"], lines["Student_Enrolment_Courses"]])
     assert linked_schema(schema, "SELECT 1") == ""
     rows = read_rows(data / "dev.jsonl")[:200]
-    for row in with_links(rows, data):  # real gold queries: every one names a table of its schema
+    for row in with_links(rows, data, read_schema):  # real gold queries: every one names a table of its schema
         assert row["link"] and set(row["link"].splitlines()) <= set(
             read_schema(str(database_path(data, row["db_id"]))).splitlines()), row
         assert extract_sql(LINKED_LABEL.format(**row)) == " ".join(row["query"].split())
@@ -99,7 +97,7 @@ def test_linked_schema_copies_the_lines_of_the_tables_a_query_names_and_the_agen
 def test_the_sql_agent_reads_an_empty_answer_block_as_no_query():
     """An answer of bare fence marks is no query, so the agent's rewrite step keeps the query it had (an untrained
     rewrite call answered "```" and the agent passed that on as its final SQL)."""
-    agent = sql_agent_example()
+    agent = example_module("sql_agent")
     for empty in ("```", "```sql\n```", "``` ```", "```SQLite\n"):
         assert agent.extract_sql(empty) == "", empty
     assert agent.extract_sql("Sure:\n```sql\nSELECT count(*)\nFROM singer\n```") == "SELECT count(*) FROM singer"

@@ -16,7 +16,7 @@ from lightning_otel.cli import main
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
 from test_collector_http import sample_request
-from tests_otlp_json import request_to_json
+from tests.helpers.otlp_json import request_to_json
 
 DAY = 86_400 * 10**9
 

@@ -2,7 +2,7 @@
 session fixture), the real plain-OpenAI example agent under opentelemetry-instrument (as an agent function in
 the worker process; as a command in the warm-start kill test), rollouts stored in a
 real DuckDB store through a real collector. A round is 2 tasks x 4 samples with a reward that varies within
-groups (tests/train_rewards.py), so the gradient cannot be zero."""
+groups (tests/helpers/train_rewards.py), so the gradient cannot be zero."""
 from __future__ import annotations
 
 import gc
@@ -29,12 +29,13 @@ from lightning_otel.train.trainer import Trainer
 REPO = Path(__file__).resolve().parent.parent
 SPIDER = REPO / "lightning_otel" / "tasks" / "spider" / "data"
 BIN = Path(sys.executable).parent
+ONE_CALL = f"{REPO / 'tests' / 'helpers' / 'inprocess_agents.py'}:one_call"  # one short model call per rollout
 # The example as an agent function: its rollouts run in one worker process under opentelemetry-instrument (an
 # agent process start costs seconds here); the warm-start kill test runs it as a command, one process a rollout.
 AGENT = f"{REPO / 'examples' / 'openai_sql' / 'agent.py'}:run"
 AGENT_COMMAND = (f"{BIN / 'opentelemetry-instrument'} {BIN / 'python'} {REPO / 'examples' / 'openai_sql' / 'agent.py'} "
                  "--question {question} --db {db_path}")
-REWARD = "train_rewards:concise_sql"
+REWARD = "tests.helpers.train_rewards:concise_sql"
 
 
 def spider_tasks(path: Path, count: int, db_id: str = "poker_player") -> Path:
@@ -278,11 +279,11 @@ def kind_tasks(path: Path, kinds: list[str]) -> Path:
 
 
 def test_the_pool_filter_keeps_the_tasks_the_starting_policy_sometimes_solves(engine, tmp_path):
-    # train_rewards:by_kind fixes each task's pass rate: always 1, never 0, half 1/2; with [1/8, 7/8] only the
-    # half tasks are kept, measured once and read back by the resumed run.
+    # tests.helpers.train_rewards:by_kind fixes each task's pass rate: always 1, never 0, half 1/2; with [1/8, 7/8]
+    # only the half tasks are kept, measured once and read back by the resumed run.
     tasks = kind_tasks(tmp_path / "kinds.jsonl", ["always", "half", "never", "half", "always", "never"])
-    config = small_config(tmp_path, tasks=str(tasks), agent=f"{REPO / 'tests' / 'inprocess_agents.py'}:one_call",
-                          reward="train_rewards:by_kind", n=4, tasks_per_round=2, max_tokens=8,
+    config = small_config(tmp_path, tasks=str(tasks), agent=ONE_CALL,
+                          reward="tests.helpers.train_rewards:by_kind", n=4, tasks_per_round=2, max_tokens=8,
                           pool_min_pass=0.125, pool_max_pass=0.875)
     with Trainer(config, engine=engine) as trainer:
         trainer.run()
@@ -310,8 +311,8 @@ def test_the_pool_filter_keeps_the_tasks_the_starting_policy_sometimes_solves(en
 
 def test_a_pool_filter_that_keeps_nothing_says_what_it_measured(engine, tmp_path):
     tasks = kind_tasks(tmp_path / "kinds.jsonl", ["always", "never"])
-    config = small_config(tmp_path, tasks=str(tasks), agent=f"{REPO / 'tests' / 'inprocess_agents.py'}:one_call",
-                          reward="train_rewards:by_kind", n=2, max_tokens=4, pool_min_pass=0.125,
+    config = small_config(tmp_path, tasks=str(tasks), agent=ONE_CALL,
+                          reward="tests.helpers.train_rewards:by_kind", n=2, max_tokens=4, pool_min_pass=0.125,
                           pool_max_pass=0.875)
     with pytest.raises(UserError) as info, Trainer(config, engine=engine) as trainer:
         trainer.run()

@@ -10,7 +10,7 @@ from opentelemetry.trace import SpanKind
 
 from lightning_otel.span_store import client
 from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
-from sdk import tracer_provider
+from tests.helpers.sdk import tracer_provider
 from test_recorded_payloads import SCENARIOS, replay_protobuf
 
 CALLS = "SELECT t.rollout_id, t.turn, s.name, t.agent, t.agent_path, t.duplicates, " \

@@ -20,7 +20,7 @@ weights sum to 1 over the batch):
               rollout weighs the same however many turns it has (DESIGN §4, the default)
 The trainer never branches on these names; it looks them up.
 
-REINFORCE++ (Hu et al. 2025; `advantage = "reinforce_pp"`, a TOKEN_RETURNS entry): the KL is a reward, not a
+REINFORCE++ (Hu et al. 2025; `advantage = "reinforce-pp"`, a TOKEN_RETURNS entry): the KL is a reward, not a
 loss term. With beta = `kl` and KL_t = old_logp_t - ref_t (the sampling policy against the reference):
     r_t = -beta * KL_t on trained tokens, + G (the sample's return, credit.py) at its last trained token
     G_t = sum_{t' >= t} r_t'

@@ -4,7 +4,7 @@
 
 grpo: the compiler's transitions with the `batch-baseline` advantage: rollouts sharing a (task, policy
       version) group with others are normalised within it (GRPO); rollouts alone in theirs are normalised
-      against all lone rollouts (a batch baseline). With `advantage = "reinforce_pp"` REINFORCE++ instead:
+      against all lone rollouts (a batch baseline). With `advantage = "reinforce-pp"` REINFORCE++ instead:
       one baseline over all the transitions, no groups, token-level KL with `kl`. Ratios are taken against
       the recorded sampling logprobs, so older policies' data is clipped like any off-policy sample.
 sft:  rejection-sampling fine-tuning: the transitions of rollouts whose reward reached `--min-reward`.

@@ -9,7 +9,7 @@ cut into steps, so that a step's micro-batches run those long common starts once
 Transitions without sampling logprobs (re-tokenised ones) use the current policy's own logprobs as the old
 ones (ratio 1 at the first epoch).
 
-Token-level advantages (`advantage = "reinforce_pp"`, losses.TOKEN_RETURNS): their normalisation takes every
+Token-level advantages (`advantage = "reinforce-pp"`, losses.TOKEN_RETURNS): their normalisation takes every
 trained token of the pass, so before the first step one no-grad pass over all the transitions scores them with
 the reference policy (with kl_reward > 0), and each transition gets its `token_advantages`; the steps then use those.
 """

@@ -150,8 +150,9 @@ class Trainer:
         config = RolloutConfig(tasks=tasks_file, agent=c.agent, n=n, concurrency=c.concurrency, db=self.db,
                                reward=c.reward if reward else None, task_pack=self.pack,
                                data_dir=Path(c.data_dir) if c.data_dir else None,
-                               timeout_s=c.rollout_timeout_s, max_tokens=max_tokens, temperature=temperature,
-                               work_dir=self.folder.path / "work", max_calls=max_calls, answers=answers)
+                               rollout_timeout_s=c.rollout_timeout_s, max_tokens=max_tokens,
+                               temperature=temperature, work_dir=self.folder.path / "work", max_calls=max_calls,
+                               answers=answers)
         return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine,
                             worker=self._agent_worker())
 

@@ -1,21 +1,21 @@
-"""Plain single-turn SFT: the reference the learning benchmark (benchmarks/learning.py) has to beat.
+"""Plain single-turn SFT: the reference the learning benchmark (benchmarks/learning/spider_agent.py) has to beat.
 
-    .venv/bin/python benchmarks/peers/plain_sft.py --out /tmp/plain-sft [--sft-tasks 420] [--epochs 1] [--lr 5e-5]
+    .venv/bin/python -m benchmarks.peers.plain_sft --out /tmp/plain-sft [--sft-tasks 420] [--epochs 1] [--lr 5e-5]
 
 No agent, no gateway, no trace store, no DeepSpeed: transformers and a torch AdamW loop on the bundled
 SmolLM2-135M. Each labelled question becomes one chat, the exact first call of examples/sql_agent (its system
 prompt with its schema text, the question as the user turn) answered with the gold query in a ```sql``` block.
 Then greedy decoding (96 new tokens) of the same first call on the held-out questions, scored with the
-project's `spider_exec` on the answer's SQL. The split is benchmarks/learning.py's (`split()`): the same
-held-out databases and questions, the same SFT questions for the same `--sft-tasks`. It also scores a sample of
-the training questions, which tells fitting apart from generalizing.
+project's `spider_exec` on the answer's SQL. The split is the learning benchmark's (the Spider pack's
+`splits.split()`): the same held-out databases and questions, the same SFT questions for the same
+`--sft-tasks`. It also scores a sample of the training questions, which tells fitting apart from generalizing.
 
 Full fine-tune by default (`--lora R` for a LoRA adapter on every linear layer); `--autocast` runs forward and
 backward under bf16 autocast (fp32 weights and AdamW; about 1.6x faster on a CPU with AVX512-BF16).
 `--renamed N` adds N of the SFT questions asked on renamed copies of their databases
-(benchmarks/spider_rename.py), so names have to be read from the schema in the prompt.
+(lightning_otel.tasks.spider.renaming), so names have to be read from the schema in the prompt.
 `--link` makes every target copy the schema lines of the tables its query names before the query (schema
-linking as the answer's first step, `learning.with_links`); the agent's `extract_sql` still reads the query.
+linking as the answer's first step, `spider_agent.with_links`); the agent's `extract_sql` still reads the query.
 Writes `plain_sft.json` (arguments, losses, accuracy with its 95% Wilson interval, every answer) into --out.
 """
 from __future__ import annotations
@@ -23,27 +23,26 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "examples" / "sql_agent"), str(REPO / "benchmarks")]
-# the example agent's own prompts and parser
-from agent import CHECK, WRITE, extract_sql, read_schema, review_request, run_sql  # noqa: E402
-from learning import (DEMONSTRATIONS, LINKED_LABEL, LINKED_MAX_TOKENS, SQL_LABEL, read_rows,  # noqa: E402
-                      split, with_links)
-from spider_rename import with_renamed  # noqa: E402
-from spider_synth import ID_PREFIX  # noqa: E402
+from benchmarks.examples import example_module
+from benchmarks.learning.spider_agent import DEMONSTRATIONS, with_links
+from lightning_otel.eval.metrics import wilson_interval
+from lightning_otel.serve.engine import default_engine_python
+from lightning_otel.serve.model import resolve_model
+from lightning_otel.tasks.spider.linking import LINKED_LABEL, LINKED_MAX_TOKENS, SQL_LABEL
+from lightning_otel.tasks.spider.renaming import with_renamed
+from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec
+from lightning_otel.tasks.spider.splits import read_rows, split
+from lightning_otel.tasks.spider.synthesis import ID_PREFIX
 
-from lightning_otel.serve.engine import default_engine_python  # noqa: E402
-from lightning_otel.eval.metrics import wilson_interval  # noqa: E402
-from lightning_otel.serve.model import resolve_model  # noqa: E402
-from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path, spider_exec  # noqa: E402
-
+SQL_AGENT = example_module("sql_agent")  # the example agent's own prompts and parser
+CHECK, WRITE, extract_sql, read_schema = SQL_AGENT.CHECK, SQL_AGENT.WRITE, SQL_AGENT.extract_sql, SQL_AGENT.read_schema
+review_request, run_sql = SQL_AGENT.review_request, SQL_AGENT.run_sql
 
 REVIEW_LABEL = DEMONSTRATIONS["sql_agent"][1]  # the reviewer's answer on a gold query
 
@@ -166,11 +165,11 @@ def answer(model, tokenizer, prompts: Prompts, rows: list[dict], label: str, max
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sft-tasks", type=int, help="as benchmarks/learning.py (default: all, ~1,470)")
-    parser.add_argument("--synthetic", type=int, default=0, help="as benchmarks/learning.py: templated questions "
+    parser.add_argument("--sft-tasks", type=int, help="as spider_agent (default: all, ~1,470)")
+    parser.add_argument("--synthetic", type=int, default=0, help="as spider_agent: templated questions "
                         "per training dev database added to the SFT set")
-    parser.add_argument("--renamed", type=int, default=0, help="as benchmarks/learning.py: this many SFT questions "
-                        "asked again on renamed copies of their databases (benchmarks/spider_rename.py)")
+    parser.add_argument("--renamed", type=int, default=0, help="as spider_agent: this many SFT questions "
+                        "asked again on renamed copies of their databases (lightning_otel.tasks.spider.renaming)")
     parser.add_argument("--eval-tasks", type=int, default=150)
     parser.add_argument("--train-sample", type=int, default=40, help="training questions scored after SFT")
     parser.add_argument("--epochs", type=float, default=1.0)
@@ -183,12 +182,14 @@ def main() -> None:
     parser.add_argument("--model", help="a local Hugging Face model folder with a chat template (default: the "
                         "bundled SmolLM2-135M)")
     parser.add_argument("--link", action="store_true", help="targets copy the schema lines of the tables the gold "
-                        f"query names before the query (learning.with_links); answers get {LINKED_MAX_TOKENS} tokens")
+                        f"query names before the query (spider_agent.with_links); answers get {LINKED_MAX_TOKENS} "
+                        "tokens")
     parser.add_argument("--review", type=int, default=0, help="also train the agent's reviewer call on this many "
                         "SFT questions (spread evenly): their gold query and its result, answered THE QUERY IS "
-                        "CORRECT, as benchmarks/learning.py's SFT demonstrates it")
+                        "CORRECT, as benchmarks.learning.spider_agent's SFT demonstrates it")
     parser.add_argument("--save", type=Path, help="save the fine-tuned model (LoRA merged in) with its tokenizer "
-                        "here: a model folder benchmarks/learning.py --model DIR --from-sft starts the agent from")
+                        "here: a model folder benchmarks.learning.spider_agent --model DIR --from-sft starts the agent "
+                        "from")
     parser.add_argument("--no-answers", action="store_true", help="skip scoring the greedy answers (e.g. when the "
                         "saved model is evaluated through the agent instead)")
     parser.add_argument("--seed", type=int, default=0)

@@ -4,7 +4,10 @@
 - rewards: `spider_exec` (execution match against the gold query) and `spider_shaped` (with partial credit);
 - setup: each rollout gets a fresh copy of its task's database as {db_path}, so model-written SQL cannot
   damage shared files;
-- outcome classes for reports: wrong_result, sql_error, no_sql; accuracy by the task's `hardness`.
+- outcome classes for reports: wrong_result, sql_error, no_sql; accuracy by the task's `hardness`;
+- training data from the databases themselves: templated questions (synthesis), questions asked again on
+  renamed copies (renaming), repair paths for a reviewing agent (repair), schema-linked SFT labels (linking),
+  and a split that keeps whole databases out of training (splits).
 """
 from __future__ import annotations
 

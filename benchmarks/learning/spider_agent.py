@@ -1,6 +1,6 @@
 """Learning benchmark (issue 6): execution accuracy on Spider databases never trained on, before and after.
 
-    .venv/bin/python benchmarks/learning.py --out /tmp/learning [--agent sql_agent] [--rounds 8]
+    .venv/bin/python -m benchmarks.learning.spider_agent --out /tmp/learning [--agent sql_agent] [--rounds 8]
 
 Three policies, evaluated greedily by the project's own `eval` on the same held-out questions:
   base        the bundled SmolLM2-135M as shipped (or the --model folder);
@@ -11,28 +11,30 @@ Three policies, evaluated greedily by the project's own `eval` on the same held-
   SFT + GRPO  the same run continued for --rounds GRPO rounds with the multi-turn agent (the run resumes
               after its SFT checkpoint, so both arms share the warm start exactly).
 With --repair N a fourth policy sits between the last two: SFT + repair, a second SFT pass (its own run folder,
-run-repair, starting from the SFT weights) on N repair paths of the SFT questions (benchmarks/spider_repair.py),
-which trains the reviewer to reject a query SQLite refuses and the rewrite step to fix it; GRPO then continues
-from that run, and its evaluation is labelled sft+repair+grpo.
+run-repair, starting from the SFT weights) on N repair paths of the SFT questions
+(lightning_otel.tasks.spider.repair), which trains the reviewer to reject a query SQLite refuses and the rewrite
+step to fix it; GRPO then continues from that run, and its evaluation is labelled sft+repair+grpo.
 With --renamed N, N of the SFT questions are asked again on renamed copies of their databases
-(benchmarks/spider_rename.py: other table and column names, the gold query rewritten), mixed into the SFT set;
-the run's data folder is then --out/data (the bundled databases and the copies). With --grpo-renamed every GRPO
-question is asked on a second renamed copy of its database (other names than the SFT copies'), so a rewarded
-answer is one that read its names off the schema in the prompt, as a held-out question needs.
+(lightning_otel.tasks.spider.renaming: other table and column names, the gold query rewritten), mixed into the
+SFT set; the run's data folder is then --out/data (the bundled databases and the copies). With --grpo-renamed
+every GRPO question is asked on a second renamed copy of its database (other names than the SFT copies'), so a
+rewarded answer is one that read its names off the schema in the prompt, as a held-out question needs.
 With --link every SFT answer that writes a gold query (and the repair pass's rewrite) first copies the schema
-lines of the tables that query names (linked_schema), and the agent gets 192 tokens per answer.
+lines of the tables that query names (lightning_otel.tasks.spider.linking), and the agent gets 192 tokens per
+answer.
 All weights are trained (--lora: a LoRA adapter). benchmarks/peers/plain_sft.py is the reference without the
 agent: plain single-turn SFT on the same split.
-With --from-sft the --model folder is already fine-tuned (plain_sft.py --save, with --review so the reviewer call
-is trained too): there is no SFT phase, that model's evaluation is the "sft" policy, and GRPO starts from it.
+With --from-sft the --model folder is already fine-tuned (benchmarks.peers.plain_sft --save, with --review so
+the reviewer call is trained too): there is no SFT phase, that model's evaluation is the "sft" policy, and GRPO
+starts from it.
 Give the same --sft-tasks and --synthetic as its SFT run, so that --grpo-synthetic draws questions it never saw.
 Accuracy comes with its 95% interval (Wilson, from eval's summary); each policy is compared with the one it was
 trained from question by question (exact sign test), on right answers and on final SQL that runs at all. The
-held-out databases are the dev databases listed in HELD_OUT; nothing of them is trained on. A killed run resumes
-when the same command runs again: the SFT walk and training from their last saves, GRPO from its last round,
-and a finished evaluation is kept (same weights, agent script and questions); an evaluation cut short starts
-over, which is why the base model's comes last (--no-base skips it: it is the same for every run on the same
-model).
+held-out databases are the dev databases listed in lightning_otel.tasks.spider.splits.HELD_OUT; nothing of them
+is trained on. A killed run resumes when the same command runs again: the SFT walk and training from their last
+saves, GRPO from its last round, and a finished evaluation is kept (same weights, agent script and questions);
+an evaluation cut short starts over, which is why the base model's comes last (--no-base skips it: it is the
+same for every run on the same model).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.examples import example_module
 from lightning_otel.serve.engine import ENGINE_DTYPES, EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.tasks.spider.outcomes import SQL_RAN
@@ -54,41 +57,23 @@ from lightning_otel.span_store import client
 from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
-from spider_rename import renamed_tasks, with_renamed
-from spider_repair import REPAIR_LABELS, REPAIR_UNTRAINED, TOKEN, repair_tasks
-from spider_synth import round_robin, synthesize
+from lightning_otel.tasks.spider import linking
+from lightning_otel.tasks.spider.linking import LINKED_LABEL, LINKED_MAX_TOKENS, SQL_LABEL
+from lightning_otel.tasks.spider.renaming import renamed_tasks, with_renamed
+from lightning_otel.tasks.spider.repair import REPAIR_LABELS, REPAIR_UNTRAINED, repair_tasks
+from lightning_otel.tasks.spider.splits import HELD_OUT, read_rows, split
+from lightning_otel.tasks.spider.splits import write_rows as write
 
-REPO = Path(__file__).resolve().parent.parent
-HELD_OUT = ("singer", "poker_player", "tvshow")
+REPO = Path(__file__).resolve().parents[2]
 GRPO_RENAMED = "_grpo"  # the suffix of the GRPO questions' renamed copies (--grpo-renamed)
-SQL_LABEL = "```sql\n{query}\n```"
-LINKED_LABEL = "{link}\n" + SQL_LABEL  # with --link: the schema lines the query needs, copied first
-LINKED_MAX_TOKENS = 192  # a linked answer's length: its schema lines run ~38 tokens on average, up to ~135
 # The answers to each agent's successive calls on a labelled question; agents not named answer the query only.
 DEMONSTRATIONS = {"sql_agent": [SQL_LABEL, "THE QUERY IS CORRECT"]}
 
 
-def linked_schema(schema: str, query: str) -> str:
-    """The lines of `schema` (one `table(column, ...)` per line, the sql_agent's format) whose table `query`
-    names, in the order the query first names them: an answer that copies these before its query has every
-    name it needs written just before it (schema linking as the answer's first step)."""
-    lines = {line.split("(", 1)[0].lower(): line for line in schema.splitlines()}
-    # the words of the query as spider_repair reads them (quoted text is not a name), in order, each line once
-    return "\n".join(dict.fromkeys(lines[word.lower()] for word in TOKEN.findall(query) if word.lower() in lines))
-
-
 def with_links(rows: list[dict], data: Path) -> list[dict]:
-    """`rows` with their `link` field: linked_schema of the schema the sql_agent shows for the row's database
-    (read from `data`, which holds renamed copies too) and of the row's gold query."""
-    if str(REPO / "examples" / "sql_agent") not in sys.path:
-        sys.path.insert(0, str(REPO / "examples" / "sql_agent"))
-    from agent import read_schema
-
-    schemas: dict[str, str] = {}
-    for row in rows:
-        if row["db_id"] not in schemas:
-            schemas[row["db_id"]] = read_schema(str(database_path(data, row["db_id"])))
-    return [{**row, "link": linked_schema(schemas[row["db_id"]], row["query"])} for row in rows]
+    """`rows` with their `link` field (linking.with_links) for the schema the sql_agent shows (read from `data`,
+    which holds renamed copies too)."""
+    return linking.with_links(rows, data, example_module("sql_agent").read_schema)
 
 
 def agent_command(name: str, max_tokens: int | None = None) -> str:
@@ -149,55 +134,6 @@ def weights(checkpoint: Path, base: Path) -> str:
     return str(checkpoint / "merged")
 
 
-def write(rows: list[dict], path: Path) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def split(out: Path, eval_count: int, grpo_count: int, sft_count: int | None, synthetic: int = 0,
-          grpo_synthetic: bool = False) -> dict[str, Path]:
-    """The benchmark's task files in `out`: held-out eval questions, GRPO questions, SFT questions (plus
-    `synthetic` templated questions per training dev database, benchmarks/spider_synth.py, mixed in).
-    With `grpo_synthetic` the GRPO questions are templated ones the SFT set does not hold (the same generator
-    drawn further), spread over the training dev databases, instead of the easiest labelled questions."""
-    data = bundled_data_dir()
-    dev, train_rows = read_rows(data / "dev.jsonl"), read_rows(data / "train.jsonl")
-    held = [r for r in dev if r["db_id"] in HELD_OUT]
-    step = max(1, len(held) // eval_count)
-    evaluation = held[::step][:eval_count]
-    trainable = [r for r in dev if r["db_id"] not in HELD_OUT]
-    # GRPO on easy questions first: a group teaches only when some of its samples succeed. They are in the SFT
-    # set too, so the warm-started policy solves some of them sometimes.
-    grpo = sorted(trainable, key=lambda r: r.get("hardness") != "easy")[:grpo_count]
-    # SFT: the dev databases' questions first (Spider's own style, as the held-out ones), then train.jsonl's
-    # (geo, scholar, restaurants...: older datasets, mostly hard / extra), each spread evenly when cut.
-    if sft_count is None:
-        sft = trainable + train_rows
-    elif sft_count <= len(trainable):
-        sft = trainable[::max(1, len(trainable) // sft_count)][:sft_count]
-    else:
-        rest = sft_count - len(trainable)
-        sft = trainable + train_rows[::max(1, len(train_rows) // rest)][:rest]
-    databases = list(dict.fromkeys(r["db_id"] for r in trainable))
-    extra = -(-grpo_count // len(databases)) if grpo_synthetic else 0
-    # A database's rows are the same for any count up to it (synthesize is prefix-stable), so the first
-    # `synthetic` of each go to SFT as without --grpo-synthetic, and the rest are questions SFT never saw.
-    drawn = {db_id: synthesize(database_path(data, db_id), db_id, synthetic + extra) if synthetic + extra else []
-             for db_id in databases}
-    if synthetic:
-        generated = [row for rows in drawn.values() for row in rows[:synthetic]]
-        sft = round_robin(sft, generated)
-    if grpo_synthetic:
-        fresh = round_robin(*(rows[synthetic:] for rows in drawn.values()))
-        grpo = fresh[:grpo_count]
-    return {"eval": write(evaluation, out / "eval.jsonl"), "sft": write(sft, out / "sft.jsonl"),
-            "grpo": write(grpo, out / "grpo.jsonl")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -210,16 +146,16 @@ def main() -> None:
     parser.add_argument("--sft-tasks", type=int, help="labelled tasks for SFT: the training dev databases' first, "
                         "then train.jsonl's (default: all, ~1,470)")
     parser.add_argument("--synthetic", type=int, default=0, help="templated SFT questions per training dev "
-                        "database (benchmarks/spider_synth.py), mixed in with the labelled ones")
+                        "database (lightning_otel.tasks.spider.synthesis), mixed in with the labelled ones")
     parser.add_argument("--grpo-synthetic", action="store_true", help="GRPO on templated questions of the "
                         "training dev databases that the SFT set does not hold (default: their easiest labelled ones)")
     parser.add_argument("--repair", type=int, default=0, help="after the SFT warm start, a second SFT pass on this "
-                        "many repair paths of the SFT questions (benchmarks/spider_repair.py: a wrong first query, "
-                        "the review that rejects it, the gold query, the review that accepts it; LangGraph agent "
-                        "only); GRPO then continues from it")
+                        "many repair paths of the SFT questions (lightning_otel.tasks.spider.repair: a wrong first "
+                        "query, the review that rejects it, the gold query, the review that accepts it; LangGraph "
+                        "agent only); GRPO then continues from it")
     parser.add_argument("--renamed", type=int, default=0, help="this many SFT questions asked again on renamed "
-                        "copies of their databases (benchmarks/spider_rename.py), so that names must be read from the "
-                        "schema in the prompt rather than recalled")
+                        "copies of their databases (lightning_otel.tasks.spider.renaming), so that names must be read "
+                        "from the schema in the prompt rather than recalled")
     parser.add_argument("--grpo-renamed", action="store_true", help="every GRPO question asked on a renamed copy "
                         "of its database that SFT never showed (a renaming of its own); questions whose gold query "
                         "cannot be carried over are left out")
@@ -233,7 +169,7 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true", help="bf16 forward passes, fp32 weights (train config "
                         "autocast): ~1.6x faster steps on a CPU with AVX512-BF16")
     parser.add_argument("--model", help="the policy to start from: a local Hugging Face model folder with a chat "
-                        "template (benchmarks/gemma_model.py writes one); default: the bundled SmolLM2-135M")
+                        "template (benchmarks.learning.gemma_model writes one); default: the bundled SmolLM2-135M")
     parser.add_argument("--micro-batch", type=int, default=8, help="examples in one forward pass (memory: 4 for "
                         "Gemma 3 270M with --link, whose 262k-token vocabulary makes the logits large)")
     parser.add_argument("--concurrency", type=int, default=3, help="agents running at once")
@@ -251,8 +187,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="GRPO transitions per optimizer step")
     parser.add_argument("--no-group-steps", action="store_true", help="GRPO steps mix groups at random instead of "
                         "filling each step with one group's samples (so each step averages over many groups)")
-    parser.add_argument("--from-sft", action="store_true", help="--model is already fine-tuned (plain_sft.py "
-                        "--save): skip the SFT phase; GRPO starts from it and its evaluation is labelled sft")
+    parser.add_argument("--from-sft", action="store_true", help="--model is already fine-tuned "
+                        "(benchmarks.peers.plain_sft --save): skip the SFT phase; GRPO starts from it and its "
+                        "evaluation is labelled sft")
     parser.add_argument("--engine-dtype", default="auto", choices=ENGINE_DTYPES, help="the weights' dtype in the "
                         "serving engine (auto: bfloat16 on a CPU with AVX512-BF16 or a GPU, float32 elsewhere)")
     parser.add_argument("--no-base", action="store_true", help="skip the base model's evaluation (the longest, "

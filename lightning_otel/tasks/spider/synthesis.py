@@ -1,23 +1,21 @@
-"""Templated questions over the training databases: SFT data that teaches reading the schema, not the gold set.
-
-    .venv/bin/python benchmarks/spider_synth.py --out /tmp/synth.jsonl --per-db 200 [--db world_1 ...]
+"""Templated questions over Spider databases: SFT data that teaches reading the schema, not the gold set.
 
 Plain SFT on Spider's few training databases fits their questions (about half of them answered right
 afterwards) but carries their table names and query shapes over to unseen databases (benchmarks/RESULTS.md).
-These rows add schema-grounded variety: for each table and column of a training database, questions in
-Spider's style ("How many singers are there?", "Show the name of the singer with the highest age.") with the
-query that answers them, written from the table and column names and from values read out of the database.
-Every query is executed before it is kept: it must run and, except for counts, return rows (so databases
-without rows, as Spider's geo, imdb, restaurants, scholar and yelp files, give none). Nothing here reads
-a held-out database (benchmarks/learning.py's HELD_OUT); the caller names the databases.
+These rows add schema-grounded variety: for each table and column of a database, questions in Spider's style
+("How many singers are there?", "Show the name of the singer with the highest age.") with the query that
+answers them, written from the table and column names and from values read out of the database. Every query is
+executed before it is kept: it must run and, except for counts, return rows (so databases without rows, as
+Spider's geo, imdb, restaurants, scholar and yelp files, give none). Nothing here chooses databases: the caller
+names them, and keeps held-out ones out (lightning_otel.tasks.spider.splits.HELD_OUT).
 
 Rows have the task file's shape (`id`, `db_id`, `question`, `query`, `hardness`), `hardness` being the
 template's class in Spider's counting (easy: one table, at most one condition or aggregate; medium: one more).
+`synthesize` is reproducible and prefix-stable: for one seed, the first k rows of a larger count are the rows
+of count k.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import re
 import sqlite3
@@ -27,6 +25,8 @@ from pathlib import Path
 
 NUMERIC_TYPES = ("INT", "REAL", "NUM", "FLOAT", "DOUBLE", "DEC")
 ID_PREFIX = "synth-"  # every generated row's id starts with it, which tells them from Spider's own questions
+
+Candidate = tuple[str, str, str]  # (question, query, hardness)
 
 
 @dataclass
@@ -75,6 +75,7 @@ def singular_of(words: str) -> str:
 
 
 def plural_of(words: str) -> str:
+    """English plural of a singular noun phrase (its last word)."""
     if words.endswith(("ss", "x", "ch", "sh")):
         return words + "es"
     if words.endswith("s"):
@@ -85,10 +86,12 @@ def plural_of(words: str) -> str:
 
 
 def quote(value) -> str:
+    """`value` as an SQL literal."""
     return str(value) if isinstance(value, (int, float)) else "'" + str(value).replace("'", "''") + "'"
 
 
 def read_tables(conn: sqlite3.Connection) -> list[Table]:
+    """The database's tables in creation order, with their columns, sample values and foreign keys."""
     tables = []
     names = [n for (n,) in conn.execute(
         "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid")]
@@ -107,13 +110,11 @@ def read_tables(conn: sqlite3.Connection) -> list[Table]:
     return tables
 
 
-def questions_for(table: Table, tables: dict[str, Table], rng: random.Random) -> list[tuple[str, str, str]]:
-    """(question, query, hardness) candidates for one table; some templates are skipped when no column fits."""
-    t, cols = table, [c for c in table.columns if c.values]
-    if not cols:
-        return []
-    text = [c for c in cols if not c.numeric]
-    numeric = [c for c in cols if c.numeric]
+# The template groups below draw from the one `rng` in a fixed order (a row set is reproducible from its seed):
+# a change of order changes every generated set.
+
+def _listing_questions(t: Table, cols: list[Column], rng: random.Random) -> list[Candidate]:
+    """Counts and projections of the whole table."""
     a, b = rng.choice(cols), rng.choice(cols)
     out = [
         (rng.choice([f"How many {t.plural} are there?", f"Count the number of {t.plural}.",
@@ -129,56 +130,70 @@ def questions_for(table: Table, tables: dict[str, Table], rng: random.Random) ->
     if a.name != b.name:
         out.append((f"Show the {a.words} and {b.words} of all {t.plural}.",
                     f"SELECT {a.name}, {b.name} FROM {t.name}", "medium"))
+    return out
+
+
+def _text_questions(t: Table, cols: list[Column], text: list[Column], rng: random.Random) -> list[Candidate]:
+    """Filters on a real value of a text column, and groupings by it."""
+    c = rng.choice(text)
+    value = rng.choice(c.values)
+    other = rng.choice([x for x in cols if x.name != c.name] or [c])
+    return [
+        (rng.choice([f"How many {t.plural} have {c.words} {value}?",
+                     f"Count the {t.plural} whose {c.words} is {value}."]),
+         f"SELECT count(*) FROM {t.name} WHERE {c.name} = {quote(value)}", "easy"),
+        (rng.choice([f"What is the {other.words} of the {t.singular} whose {c.words} is {value}?",
+                     f"Show the {other.words} of {t.plural} with {c.words} {value}."]),
+         f"SELECT {other.name} FROM {t.name} WHERE {c.name} = {quote(value)}", "easy"),
+        (rng.choice([f"For each {c.words}, how many {t.plural} are there?",
+                     f"Show each {c.words} and the number of {t.plural} with it."]),
+         f"SELECT {c.name}, count(*) FROM {t.name} GROUP BY {c.name}", "medium"),
+        (rng.choice([f"Which {c.words} is the most common among {t.plural}?",
+                     f"What is the {c.words} shared by the most {t.plural}?"]),
+         f"SELECT {c.name} FROM {t.name} GROUP BY {c.name} ORDER BY count(*) DESC LIMIT 1", "hard"),
+        (f"Which {c.words} values are shared by more than one {t.singular}?",
+         f"SELECT {c.name} FROM {t.name} GROUP BY {c.name} HAVING count(*) > 1", "easy"),
+    ]
+
+
+def _numeric_questions(t: Table, cols: list[Column], numeric: list[Column], text: list[Column],
+                       rng: random.Random) -> list[Candidate]:
+    """Aggregates, orderings and comparisons on a numeric column."""
+    n = rng.choice(numeric)
+    other = rng.choice([x for x in cols if x.name != n.name] or [n])
+    agg, word = rng.choice([("avg", "average"), ("max", "maximum"), ("min", "minimum"), ("sum", "total")])
+    pivot = rng.choice(n.values)
+    out = [
+        (rng.choice([f"What is the {word} {n.words} of all {t.plural}?",
+                     f"Find the {word} {n.words} of the {t.plural}."]),
+         f"SELECT {agg}({n.name}) FROM {t.name}", "easy"),
+        (f"What are the maximum and minimum {n.words} of the {t.plural}?",
+         f"SELECT max({n.name}), min({n.name}) FROM {t.name}", "medium"),
+        (rng.choice([f"List the {other.words} of the {t.plural} sorted by {n.words} in descending order.",
+                     f"Show the {other.words} of all {t.plural}, from the highest {n.words} to the lowest."]),
+         f"SELECT {other.name} FROM {t.name} ORDER BY {n.name} DESC", "easy"),
+        (f"List the {other.words} of the {t.plural} in ascending order of {n.words}.",
+         f"SELECT {other.name} FROM {t.name} ORDER BY {n.name} ASC", "easy"),
+        (rng.choice([f"What is the {other.words} of the {t.singular} with the highest {n.words}?",
+                     f"Which {t.singular} has the largest {n.words}? Give its {other.words}."]),
+         f"SELECT {other.name} FROM {t.name} ORDER BY {n.name} DESC LIMIT 1", "medium"),
+        (f"What is the {other.words} of the {t.singular} with the lowest {n.words}?",
+         f"SELECT {other.name} FROM {t.name} ORDER BY {n.name} ASC LIMIT 1", "medium"),
+        (f"Show the {other.words} of {t.plural} whose {n.words} is greater than {pivot}.",
+         f"SELECT {other.name} FROM {t.name} WHERE {n.name} > {pivot}", "easy"),
+        (f"How many {t.plural} have a {n.words} less than {pivot}?",
+         f"SELECT count(*) FROM {t.name} WHERE {n.name} < {pivot}", "easy"),
+    ]
     if text:
         c = rng.choice(text)
-        value = rng.choice(c.values)
-        other = rng.choice([x for x in cols if x.name != c.name] or [c])
-        out += [
-            (rng.choice([f"How many {t.plural} have {c.words} {value}?",
-                         f"Count the {t.plural} whose {c.words} is {value}."]),
-             f"SELECT count(*) FROM {t.name} WHERE {c.name} = {quote(value)}", "easy"),
-            (rng.choice([f"What is the {other.words} of the {t.singular} whose {c.words} is {value}?",
-                         f"Show the {other.words} of {t.plural} with {c.words} {value}."]),
-             f"SELECT {other.name} FROM {t.name} WHERE {c.name} = {quote(value)}", "easy"),
-            (rng.choice([f"For each {c.words}, how many {t.plural} are there?",
-                         f"Show each {c.words} and the number of {t.plural} with it."]),
-             f"SELECT {c.name}, count(*) FROM {t.name} GROUP BY {c.name}", "medium"),
-            (rng.choice([f"Which {c.words} is the most common among {t.plural}?",
-                         f"What is the {c.words} shared by the most {t.plural}?"]),
-             f"SELECT {c.name} FROM {t.name} GROUP BY {c.name} ORDER BY count(*) DESC LIMIT 1", "hard"),
-            (f"Which {c.words} values are shared by more than one {t.singular}?",
-             f"SELECT {c.name} FROM {t.name} GROUP BY {c.name} HAVING count(*) > 1", "easy"),
-        ]
-    if numeric:
-        n = rng.choice(numeric)
-        other = rng.choice([x for x in cols if x.name != n.name] or [n])
-        agg, word = rng.choice([("avg", "average"), ("max", "maximum"), ("min", "minimum"), ("sum", "total")])
-        pivot = rng.choice(n.values)
-        out += [
-            (rng.choice([f"What is the {word} {n.words} of all {t.plural}?",
-                         f"Find the {word} {n.words} of the {t.plural}."]),
-             f"SELECT {agg}({n.name}) FROM {t.name}", "easy"),
-            (f"What are the maximum and minimum {n.words} of the {t.plural}?",
-             f"SELECT max({n.name}), min({n.name}) FROM {t.name}", "medium"),
-            (rng.choice([f"List the {other.words} of the {t.plural} sorted by {n.words} in descending order.",
-                         f"Show the {other.words} of all {t.plural}, from the highest {n.words} to the lowest."]),
-             f"SELECT {other.name} FROM {t.name} ORDER BY {n.name} DESC", "easy"),
-            (f"List the {other.words} of the {t.plural} in ascending order of {n.words}.",
-             f"SELECT {other.name} FROM {t.name} ORDER BY {n.name} ASC", "easy"),
-            (rng.choice([f"What is the {other.words} of the {t.singular} with the highest {n.words}?",
-                         f"Which {t.singular} has the largest {n.words}? Give its {other.words}."]),
-             f"SELECT {other.name} FROM {t.name} ORDER BY {n.name} DESC LIMIT 1", "medium"),
-            (f"What is the {other.words} of the {t.singular} with the lowest {n.words}?",
-             f"SELECT {other.name} FROM {t.name} ORDER BY {n.name} ASC LIMIT 1", "medium"),
-            (f"Show the {other.words} of {t.plural} whose {n.words} is greater than {pivot}.",
-             f"SELECT {other.name} FROM {t.name} WHERE {n.name} > {pivot}", "easy"),
-            (f"How many {t.plural} have a {n.words} less than {pivot}?",
-             f"SELECT count(*) FROM {t.name} WHERE {n.name} < {pivot}", "easy"),
-        ]
-        if text:
-            c = rng.choice(text)
-            out.append((f"What is the {word} {n.words} for each {c.words}?",
-                        f"SELECT {c.name}, {agg}({n.name}) FROM {t.name} GROUP BY {c.name}", "medium"))
+        out.append((f"What is the {word} {n.words} for each {c.words}?",
+                    f"SELECT {c.name}, {agg}({n.name}) FROM {t.name} GROUP BY {c.name}", "medium"))
+    return out
+
+
+def _join_questions(t: Table, cols: list[Column], tables: dict[str, Table], rng: random.Random) -> list[Candidate]:
+    """One join along each declared foreign key whose other table is known."""
+    out = []
     for here, other_name, there in t.links:
         other = tables.get(other_name)
         if other is None or not there:
@@ -189,6 +204,21 @@ def questions_for(table: Table, tables: dict[str, Table], rng: random.Random) ->
                     f"SELECT T1.{own.name}, T2.{shown.name} FROM {t.name} AS T1 JOIN {other.name} AS T2 "
                     f"ON T1.{here} = T2.{there}", "medium"))
     return out
+
+
+def questions_for(table: Table, tables: dict[str, Table], rng: random.Random) -> list[Candidate]:
+    """(question, query, hardness) candidates for one table; some templates are skipped when no column fits."""
+    cols = [c for c in table.columns if c.values]
+    if not cols:
+        return []
+    text = [c for c in cols if not c.numeric]
+    numeric = [c for c in cols if c.numeric]
+    out = _listing_questions(table, cols, rng)
+    if text:
+        out += _text_questions(table, cols, text, rng)
+    if numeric:
+        out += _numeric_questions(table, cols, numeric, text, rng)
+    return out + _join_questions(table, cols, tables, rng)
 
 
 def keeps(conn: sqlite3.Connection, query: str) -> bool:
@@ -226,22 +256,3 @@ def synthesize(db_path: Path, db_id: str, per_db: int, seed: int = 0) -> list[di
                 added += 1
             stale = 0 if added else stale + 1
     return rows
-
-
-def main() -> None:
-    from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--db", nargs="+", required=True, help="database ids under the bundled data")
-    parser.add_argument("--per-db", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    rows = [row for db in args.db
-            for row in synthesize(database_path(bundled_data_dir(), db), db, args.per_db, args.seed)]
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"{len(rows)} rows -> {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The GRPO knobs the learning benchmarks (learning_check.py, math_agent.py) share: their command-line flags,
+"""The GRPO knobs the learning runs learning_check and math_agent share: their command-line flags,
 each script with its own defaults, and the TrainConfig fields they set."""
 from __future__ import annotations
 

@@ -1,23 +1,20 @@
-"""Repair demonstrations for the multi-turn SQL agent: a labelled question, a wrong first query of the kind a
+"""Repair demonstrations for a multi-turn SQL agent: a labelled question, a wrong first query of the kind a
 small model writes on a schema it has not seen, and the labelled path that repairs it.
-
-    .venv/bin/python benchmarks/spider_repair.py --tasks /tmp/learning/sft.jsonl --out /tmp/repair.jsonl --count 200
 
 The LangGraph agent (examples/sql_agent) reviews each query together with its result and rewrites it when the
 review rejects it. A warm start on gold queries only ever shows the reviewer accepting ("THE QUERY IS
-CORRECT"), so the reviewer learns to accept everything and the rewrite step is never trained. On the held-out
+CORRECT"), so the reviewer learns to accept everything and the rewrite step is never trained. On held-out
 databases most wrong answers name a table or column the schema lacks (benchmarks/RESULTS.md): a plural or
 shortened table name, a column looked up in the wrong table. `corrupt()` makes such a query from the gold
 one (one identifier replaced everywhere it occurs) and keeps it only if SQLite refuses it with "no such table"
 or "no such column"; the review quotes that error.
 
-With REPAIR_LABELS (and `sft_untrained = [0]`) the gateway walks the agent along the path: the wrong query
-(answered, not trained), the review that rejects it, the gold query, the review that accepts it.
+With REPAIR_LABELS as the SFT labels (and REPAIR_UNTRAINED as `sft_untrained`) the gateway walks the agent
+along the path: the wrong query (answered, not trained), the review that rejects it, the gold query, the
+review that accepts it.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import re
 import sqlite3
@@ -25,8 +22,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Callable
 
-from lightning_otel.tasks.spider.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
-from spider_synth import by_database, read_tables
+from lightning_otel.tasks.spider.rewards import QueryTimeout, run_query
+from lightning_otel.tasks.spider.synthesis import by_database, read_tables
 
 REPAIR_LABELS = ["```sql\n{wrong_query}\n```", "{review}", "```sql\n{query}\n```", "THE QUERY IS CORRECT"]
 REPAIR_UNTRAINED = [0]  # the wrong query is there to be repaired, not learned
@@ -109,21 +106,3 @@ def repair_tasks(rows: list[dict], database: Callable[[str], Path], count: int, 
             out.append({**row, "id": f"{row['id']}-repair", "wrong_query": wrong,
                         "review": f"The query fails: {error}."})
     return out
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", type=Path, required=True, help="labelled tasks (JSONL with db_id, query)")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--count", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    rows = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
-    data = bundled_data_dir()
-    made = repair_tasks(rows, lambda db_id: database_path(data, db_id), args.count, args.seed)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in made))
-    print(f"{args.out}: {len(made)} repair tasks from {len(rows)} labelled ones")
-
-
-if __name__ == "__main__":
-    main()

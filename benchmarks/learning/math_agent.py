@@ -1,6 +1,6 @@
 """Tool-use learning benchmark: GRPO on an OpenAI Agents SDK calculator agent, scored on held-out problems.
 
-    .venv/bin/python benchmarks/math_agent.py --out /tmp/math [--rounds 8] [--autocast]   # ~1 h on 2 CPU cores
+    .venv/bin/python -m benchmarks.learning.math_agent --out /tmp/math [--rounds 8] [--autocast]   # ~1 h on 2 CPU cores
 
 The agent is examples/openai_agents_math/agent.py, unchanged: an `openai-agents` Agent with one
 `calculate(expression)` tool, traced by the SDK's own OpenTelemetry instrumentation and run as an agent
@@ -15,7 +15,8 @@ word problems, train and test from disjoint templates and number ranges (train 2
    every --val-every rounds (the curve). The last validation is the result; --rounds is rounded up to a
    multiple of --val-every so that it is the last round's.
 3. The gain is paired (the same problems, base model against last checkpoint, read per problem from the
-   run's store): the two-sided exact McNemar test on the problems whose outcome changed.
+   run's store, lightning_otel.eval.metrics.outcomes_by_version): the two-sided exact McNemar test on the
+   problems whose outcome changed (eval's sign_test_p).
    `--report-only` recomputes it from a run's folder (a run stopped after any validation).
 
 Written to <out>: math_agent.json (accuracies, per-problem outcomes, p, seconds, per-round curve),
@@ -25,52 +26,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.examples import example_module
+from benchmarks.learning.grpo_knobs import add_knobs, knob_settings
+from lightning_otel.eval.metrics import outcomes_by_version, sign_test_p
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.trainer import train
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "openai_agents_math"
-sys.path.insert(0, str(EXAMPLE))
-import problems  # noqa: E402  (the example's generator, not a package)
-from grpo_knobs import add_knobs, knob_settings  # noqa: E402
+problems = example_module("openai_agents_math", "problems")  # the example's generator
 
 AGENT = f"{EXAMPLE / 'agent.py'}:run"
 REWARD = f"{EXAMPLE / 'reward.py'}:shaped"
-
-
-def mcnemar_p(gained: int, lost: int) -> float:
-    """Two-sided exact McNemar p: of the problems whose outcome changed, `gained` went right and `lost` wrong."""
-    changed = gained + lost
-    if changed == 0:
-        return 1.0
-    tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2 ** changed
-    return min(1.0, 2 * tail)
 
 
 def write(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-def outcomes(run: Path, test_ids: set[str]) -> dict[int, dict[str, float]]:
-    """Per validated policy version, each held-out problem's outcome (1.0 right, 0.0 wrong) from the store."""
-    from lightning_otel.span_store import client
-
-    listed = ", ".join(client.sql_literal(i) for i in sorted(test_ids))
-    rows = client.query(f"""
-        SELECT r.policy_version AS version, r.task_id, max(w.value) AS reward
-        FROM rollouts r JOIN rewards w ON w.rollout_id = r.rollout_id AND w.span_id IS NULL
-        WHERE r.task_id IN ({listed}) GROUP BY ALL""", run / "traces.duckdb").to_dicts()
-    by_version: dict[int, dict[str, float]] = {}
-    for row in rows:
-        by_version.setdefault(int(row["version"]), {})[row["task_id"]] = float(row["reward"] >= 1.0)
-    return by_version
 
 
 def curve(run: Path) -> list[dict]:
@@ -130,7 +107,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def report(args, seconds: float | None = None) -> dict:
     """Base against last validation, paired, from the run's folder; written to <out>."""
     test_ids = {json.loads(line)["id"] for line in (args.out / "test.jsonl").read_text().splitlines()}
-    validated = outcomes(args.out / "run", test_ids)
+    # per validated policy version, each held-out problem's outcome (1.0 right, 0.0 wrong), from the run's store
+    validated = outcomes_by_version(args.out / "run" / "traces.duckdb", test_ids)
     complete = {v: o for v, o in validated.items() if set(o) == test_ids}
     if 0 not in complete or len(complete) < 2:
         raise SystemExit(f"{args.out / 'run'} has no complete base and later validation of the test set")
@@ -140,7 +118,7 @@ def report(args, seconds: float | None = None) -> dict:
     lost = sum(1 for i in test_ids if final[i] < base[i])
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "final_version": last,
               "base_accuracy": sum(base.values()) / len(test_ids), "final_accuracy": sum(final.values()) / len(test_ids),
-              "gained": gained, "lost": lost, "p": mcnemar_p(gained, lost), "train_seconds": seconds,
+              "gained": gained, "lost": lost, "p": sign_test_p(gained, lost), "train_seconds": seconds,
               "accuracy_by_version": {v: sum(o.values()) / len(o) for v, o in sorted(complete.items())},
               "base": base, "final": final, "curve": curve(args.out / "run")}
     result["gain"] = result["final_accuracy"] - result["base_accuracy"]

@@ -1,9 +1,7 @@
-"""Renamed copies of the training databases: the same rows under other table and column names, and labelled
+"""Renamed copies of Spider databases: the same rows under other table and column names, and labelled
 questions asked again on them with their gold query rewritten to the new names.
 
-    .venv/bin/python benchmarks/spider_rename.py --tasks /tmp/learning/sft.jsonl --out /tmp/renamed --count 200
-
-On held-out databases most of the small model's wrong answers name a table or column the schema lacks
+On held-out databases most of a small model's wrong answers name a table or column the schema lacks
 (benchmarks/RESULTS.md): it writes the names it learned on the training databases, or the ones its pretraining
 suggests (`singers` for `singer`), instead of copying them out of the schema in its prompt. A question asked
 on a renamed copy of its database can only be answered by reading the schema. The new names are the kind the
@@ -17,8 +15,7 @@ folder as the run's `data_dir`, so the agent and the reward open the copies.
 """
 from __future__ import annotations
 
-import argparse
-import json
+import logging
 import random
 import re
 import shutil
@@ -26,9 +23,11 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
-from lightning_otel.tasks.spider.rewards import QueryTimeout, bundled_data_dir, database_path, run_query
-from spider_repair import name_variants, replace_words, schema_names
-from spider_synth import by_database, read_tables, round_robin
+from lightning_otel.tasks.spider.repair import name_variants, replace_words, schema_names
+from lightning_otel.tasks.spider.rewards import QueryTimeout, database_path, run_query
+from lightning_otel.tasks.spider.synthesis import by_database, read_tables, round_robin
+
+log = logging.getLogger(__name__)
 
 SUFFIX = "_renamed"
 BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -77,6 +76,14 @@ def renaming(db: Path, rng: random.Random) -> dict[str, str]:
     return out
 
 
+def _rename(conn: sqlite3.Connection, statement: str, done: dict[str, str], old: str, new: str) -> None:
+    try:
+        conn.execute(statement)
+        done[old.lower()] = new
+    except sqlite3.Error as exc:  # a view or trigger SQLite cannot rewrite: the name stays
+        log.debug("%s: %s", statement, exc)
+
+
 def rename_database(source: Path, target: Path, mapping: dict[str, str]) -> dict[str, str]:
     """A copy of `source` at `target` with its tables and columns renamed by `mapping`. Returns the renames
     SQLite carried out (a rename it refuses, say in a view or trigger it cannot rewrite, is left out)."""
@@ -88,23 +95,17 @@ def rename_database(source: Path, target: Path, mapping: dict[str, str]) -> dict
             for column in table.columns:
                 new = mapping.get(column.name.lower())
                 if new:
-                    try:
-                        conn.execute(f'ALTER TABLE "{table.name}" RENAME COLUMN "{column.name}" TO "{new}"')
-                        done[column.name.lower()] = new
-                    except sqlite3.Error:
-                        pass
+                    _rename(conn, f'ALTER TABLE "{table.name}" RENAME COLUMN "{column.name}" TO "{new}"', done,
+                            column.name, new)
             new = mapping.get(table.name.lower())
             if new:
-                try:
-                    conn.execute(f'ALTER TABLE "{table.name}" RENAME TO "{new}"')
-                    done[table.name.lower()] = new
-                except sqlite3.Error:
-                    pass
+                _rename(conn, f'ALTER TABLE "{table.name}" RENAME TO "{new}"', done, table.name, new)
         conn.commit()
     return done
 
 
 def same_answer(original: Path, renamed: Path, query: str, rewritten: str, timeout_s: float = 5.0) -> bool:
+    """`rewritten` returns on `renamed` what `query` returns on `original` (False when either fails)."""
     try:
         before, after = run_query(original, query, timeout_s), run_query(renamed, rewritten, timeout_s)
     except (sqlite3.Error, QueryTimeout):
@@ -143,21 +144,3 @@ def with_renamed(rows: list[dict], source: Path, out: Path, count: int) -> list[
     """`rows` with up to `count` renamed questions (renamed_tasks, written into data folder `out`) taken in turn
     with them."""
     return round_robin(rows, renamed_tasks(rows, source, out, count))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", type=Path, required=True, help="labelled tasks (JSONL with db_id, query)")
-    parser.add_argument("--out", type=Path, required=True, help="the data folder to write (Spider layout)")
-    parser.add_argument("--count", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    rows = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
-    made = renamed_tasks(rows, bundled_data_dir(), args.out, args.count, args.seed)
-    (args.out / "renamed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in made))
-    print(f"{args.out / 'renamed.jsonl'}: {len(made)} questions on renamed databases, from {len(rows)} labelled "
-          f"ones; give {args.out} as the run's data_dir")
-
-
-if __name__ == "__main__":
-    main()

