@@ -39,7 +39,7 @@ from lightning_otel.span_store.collector import Collector, CollectorConfig  # no
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that use these fixtures start the shared vLLM engine; they are marked needs_engine here, the others
-# that start an engine (through the runner, trainer or CLI) carry the mark themselves.
+# that start an engine (through the runner, trainer or CLI) carry the mark themselves. needs_engine implies heavy.
 ENGINE_FIXTURES = {"engine", "tokenizer", "gateway"}
 
 
@@ -47,6 +47,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.needs_engine)
+        if item.get_closest_marker("needs_engine") and not item.get_closest_marker("heavy"):
+            item.add_marker(pytest.mark.heavy)  # every vLLM-backed test is heavy: generation dominates its time
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
