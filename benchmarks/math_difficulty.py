@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.examples import example_module
+from tests.helpers.examples import example_module  # one loader of example modules by path, for tests and benchmarks
 from benchmarks.learning.math_agent import write
 from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
 from lightning_otel.span_store import client

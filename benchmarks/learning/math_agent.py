@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.examples import example_module
+from tests.helpers.examples import example_module
 from benchmarks.learning.grpo_knobs import add_knobs, knob_settings
 from lightning_otel.eval.metrics import outcomes_by_version, sign_test_p
 from lightning_otel.train.config import TrainConfig

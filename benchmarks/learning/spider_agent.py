@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.examples import example_module
+from tests.helpers.examples import example_module
 from lightning_otel.serve.engine import ENGINE_DTYPES, EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.eval import EvalConfig, evaluate
 from lightning_otel.tasks.spider.outcomes import SQL_RAN

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.examples import example_module
+from tests.helpers.examples import example_module
 from benchmarks.learning.spider_agent import DEMONSTRATIONS, with_links
 from lightning_otel.eval.metrics import wilson_interval
 from lightning_otel.serve.engine import default_engine_python

@@ -1,4 +1,5 @@
-"""The repository's examples as modules, for tests that reuse an example's prompts, parser, data or reward.
+"""The repository's examples as modules, for tests and benchmarks that reuse an example's prompts, parser, data
+or reward.
 
 An example is a folder of scripts, not a package, and several folders have an `agent.py`: each file is loaded
 under a name of its own (`_example_<folder>_<module>`), so which one `import agent` would find never depends on
