@@ -69,3 +69,20 @@ def test_model_folders_are_checked(tmp_path):
         resolve_model(str(tmp_path))
     with pytest.raises(UserError, match="never downloaded"):
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_the_engine_python_is_the_one_named_else_a_project_engine_venv(tmp_path, monkeypatch):
+    from lightning_otel.errors import UserError
+    from lightning_otel.serve import engine
+
+    assert (engine.CHECKOUT / "pyproject.toml").is_file()  # an editable install runs from the checkout
+    monkeypatch.setenv("LIGHTNING_ENGINE_PYTHON", str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(UserError, match="LIGHTNING_ENGINE_PYTHON=.*does not exist"):
+        engine.default_engine_python()
+    monkeypatch.delenv("LIGHTNING_ENGINE_PYTHON")
+    venv = tmp_path / ".venv-engine" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("")
+    assert engine.default_engine_python(tmp_path) == str(venv / "python")
+    monkeypatch.setattr(engine, "CHECKOUT", tmp_path / "elsewhere")
+    assert engine.default_engine_python(tmp_path / "empty") == engine.sys.executable

@@ -112,3 +112,16 @@ def test_no_reward_no_default(tmp_path):
     assert TrainConfig().reward == ""
     with pytest.raises(UserError, match="`reward` is not set"):
         Trainer(TrainConfig(tasks=str(tasks), agent=AGENT, output_dir=str(tmp_path / "run")))
+
+
+def test_a_pack_given_as_module_attribute_brings_its_own_reward_names(tmp_path):
+    from lightning_otel.rollouts.rewards import resolve_reward
+    from tests.helpers.train_rewards import GOLD_PACK, gold_only
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "gold": 0.5}) + "\n")
+    config = RolloutConfig(tasks=tasks, agent=f"{sys.executable} -c pass", reward="gold_only",
+                           task_pack="tests.helpers.train_rewards:GOLD_PACK", base_url="http://127.0.0.1:9/v1")
+    assert config.pack is GOLD_PACK and resolve_reward("gold_only", config.pack) is gold_only
+    with pytest.raises(UserError, match="unknown reward 'gold_only'"):
+        resolve_reward("gold_only")  # no pack registers it by name

@@ -32,7 +32,8 @@ def register(sub) -> None:
                                    "per episode, outcome classes and latency, all computed from the trace store.")
     p.add_argument("--tasks", type=Path, required=True, help="JSONL task file, one task object per line")
     p.add_argument("--agent", required=True,
-                   help='command template, e.g. "python agent.py --question {question} --db {db_path}"')
+                   help='command template, e.g. "python agent.py --question {question} --db {db_path}", or an '
+                        'agent function called as fn(task, llm): "module:function" or "path/to/agent.py:function"')
     p.add_argument("--model", default="base",
                    help="base (the bundled model), a training run folder (its best checkpoint), a checkpoint, a "
                         "LoRA adapter folder or a model folder (default: base)")

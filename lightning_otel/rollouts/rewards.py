@@ -13,14 +13,17 @@ import importlib
 from typing import Any, Callable
 
 from lightning_otel.errors import UserError
-from lightning_otel.rollouts.packs import RewardFunction, pack_for_reward
+from lightning_otel.rollouts.packs import RewardFunction, TaskPack, pack_for_reward
 
 __all__ = ["RewardFunction", "call_reward", "resolve_reward"]
 
 
-def resolve_reward(spec: str) -> RewardFunction:
-    """A registered name, `module:function` importable from the current environment, or
-    `path/to/file.py:function` (imported as `python file.py` would: its folder's modules import)."""
+def resolve_reward(spec: str, pack: TaskPack | None = None) -> RewardFunction:
+    """A name the run's task pack or a registered pack registers, `module:function` importable from the current
+    environment, or `path/to/file.py:function` (imported as `python file.py` would: its folder's modules
+    import)."""
+    if pack is not None and spec in pack.rewards:
+        return pack.rewards[spec]
     if ":" not in spec:
         pack = pack_for_reward(spec)  # UserError for a name no pack registers
         return pack.rewards[spec]  # type: ignore[union-attr]

@@ -301,7 +301,7 @@ class Runner:
         self.write_records = write_records
         self.spans_of = spans_of
         self.worker = worker  # the agent function's worker (in-process mode); run() starts one when None
-        self.reward_fn = resolve_reward(config.reward) if config.reward else None
+        self.reward_fn = resolve_reward(config.reward, config.pack) if config.reward else None
         self.instrument = find_instrument()
 
     def run(self, tasks: list[Task], argv: list[str] | AgentFunction,

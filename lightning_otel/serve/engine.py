@@ -66,12 +66,22 @@ class PolicyEngine(Engine, Protocol):
     def wake(self) -> None: ...
 
 
+# The checkout this module runs from in an editable install (lightning_otel/serve/engine.py -> the repository
+# root); in a wheel install a folder of site-packages, where no .venv-engine is.
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
 def default_engine_python(project_root: Path | None = None) -> str:
-    """A project-local engine venv (.venv-engine) if there is one, else the current interpreter."""
-    candidates = [Path(os.environ["LIGHTNING_ENGINE_PYTHON"])] if os.environ.get("LIGHTNING_ENGINE_PYTHON") else []
+    """LIGHTNING_ENGINE_PYTHON when set (it must exist), else a project-local engine venv (.venv-engine in
+    `project_root` or the current folder, then in the checkout this package runs from), else this interpreter."""
+    chosen = os.environ.get("LIGHTNING_ENGINE_PYTHON")
+    if chosen:
+        if not Path(chosen).exists():
+            raise UserError(f"LIGHTNING_ENGINE_PYTHON={chosen} does not exist: point it at the Python of the "
+                            f"environment where vLLM is installed (e.g. .venv-engine/bin/python), or unset it")
+        return chosen
     root = project_root or Path.cwd()
-    candidates += [root / ".venv-engine" / "bin" / "python", Path(__file__).resolve().parent.parent / ".venv-engine"
-                   / "bin" / "python"]
+    candidates = [root / ".venv-engine" / "bin" / "python", CHECKOUT / ".venv-engine" / "bin" / "python"]
     for candidate in candidates:
         if candidate.exists():
             return str(candidate)
