@@ -132,7 +132,7 @@ def test_eval_scores_the_math_agent_with_the_math_pack(engine, tmp_path):
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(r) + "\n" for r in problems.make("test", 3, 0)))
-    result = evaluate(EvalConfig(tasks=tasks, agent=f"{EXAMPLE / 'agent.py'}:run", reward="number_match",
+    result = evaluate(EvalConfig(tasks=tasks, agent=f"{EXAMPLE / 'agent.py'}:run", reward="number_match", n=1,
                                  report=tmp_path / "report", max_tokens=48, temperature=0.0, concurrency=3,
                                  rollout_timeout_s=240), engine=engine)
     summary = result.summary

@@ -269,7 +269,7 @@ def main() -> None:
                 if policy.adapter is None:  # full weights (the base model's or merged): the engine restarts on them
                     engine.load_model(policy.base_model, policy.version)
                 summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=report.parent,
-                                              reward="spider_exec", model=model, max_tokens=args.max_tokens,
+                                              reward="spider_exec", n=1, model=model, max_tokens=args.max_tokens,
                                               temperature=0.0,
                                               concurrency=args.concurrency),
                                    engine=engine,
