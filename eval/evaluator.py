@@ -16,7 +16,6 @@ over it (lightning_otel.eval.metrics). An engine already running can be passed i
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from contextlib import ExitStack
@@ -30,7 +29,8 @@ from lightning_otel.eval.plots import write_plots
 from lightning_otel.eval.report import comparison_rows, paired_comparison, read_rounds, read_summary, write_report
 from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, check_inputs, load_tasks, run_rollouts
 from lightning_otel.serve.engine import PolicyEngine
-from lightning_otel.serve.policy import Policy, resolve_policy
+from lightning_otel.serve.policy import resolve_policy
+from lightning_otel.serve.serving import engine_for_policy
 
 log = logging.getLogger(__name__)
 
@@ -91,60 +91,6 @@ class EvalResult:
     rollout_ids: list[str] = field(default_factory=list)
 
 
-def adapter_rank(adapter: Path) -> int:
-    return int(json.loads((adapter / "adapter_config.json").read_text()).get("r", 8))
-
-
-def serve_policy(policy: Policy, config: EvalConfig, engine: PolicyEngine | None,
-                 owned: ExitStack) -> PolicyEngine:
-    """The engine serving `policy`: the one given (switched to the policy, back on its own base model when a
-    trainer left it on merged weights, its policy restored on exit), or one started here on the policy's
-    base model."""
-    from lightning_otel.serve.engine import EngineConfig, EngineError, VLLMEngine, default_engine_python
-
-    if engine is None:
-        rank = adapter_rank(policy.adapter) if policy.adapter else 8
-        engine = VLLMEngine(EngineConfig(model_dir=policy.base_model, python=config.engine_python or
-                                         default_engine_python(), max_lora_rank=max(16, rank),
-                                         log_path=config.report / "engine.log"))
-        log.info("starting the vLLM engine on %s (about a minute on CPU)", policy.base_model)
-        engine.start()
-        owned.callback(engine.stop)
-    else:
-        wanted = policy.base_model.resolve()
-        if policy.merged is not None and Path(engine.config.model_dir).resolve() == policy.merged:
-            # The trainer left the engine on this checkpoint's merged weights: the same function as base +
-            # adapter, and faster to decode on CPU than LoRA.
-            engine.model_name, engine.policy_version = engine.base_name, policy.version
-            return engine
-        if Path(engine.config.model_dir).resolve() != wanted and \
-                Path(engine.base_dir).resolve() == wanted:
-            engine.use_base()  # a trainer moved it to merged weights (serve_merged): back to its base model
-        served = Path(engine.config.model_dir).resolve()
-        if served != wanted:
-            raise UserError(f"the running engine serves {served}, but policy {policy.label} needs model "
-                            f"{policy.base_model}; let eval start its own engine (or load_model() it first)")
-        if policy.adapter and adapter_rank(policy.adapter) > engine.config.max_lora_rank:
-            raise UserError(f"adapter {policy.adapter} has rank {adapter_rank(policy.adapter)}, above the running "
-                            f"engine's max_lora_rank {engine.config.max_lora_rank}")
-        previous = (engine.model_name, engine.policy_version)
-
-        def restore() -> None:
-            if Path(engine.config.model_dir).resolve() == served:
-                engine.model_name, engine.policy_version = previous
-
-        owned.callback(restore)
-    if policy.adapter is not None:
-        try:
-            engine.update_weights(policy.adapter, policy.version)
-        except EngineError as exc:
-            raise UserError(f"the engine could not load the LoRA adapter {policy.adapter} as policy version "
-                            f"{policy.version}: {exc}") from None
-    else:  # the weights the engine runs, as they are (no adapter)
-        engine.model_name, engine.policy_version = engine.base_name, policy.version
-    return engine
-
-
 def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
              progress: Callable[[RolloutResult, int, int], None] | None = None) -> EvalResult:
     """Run the evaluation and write the report; returns the summary (also in <report>/summary.json)."""
@@ -162,7 +108,7 @@ def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
     config.report.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with ExitStack() as owned:
-        served = serve_policy(policy, config, engine, owned)
+        served = engine_for_policy(policy, engine, owned, config.engine_python, config.report / "engine.log")
         results = run_rollouts(rollout_config, progress=progress, engine=served).results
     rollout_ids = [r.rollout_id for r in results]
     summary = {"config": config.to_dict(), "policy": policy.to_dict(), "store": str(config.db),

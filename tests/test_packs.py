@@ -125,3 +125,28 @@ def test_a_pack_given_as_module_attribute_brings_its_own_reward_names(tmp_path):
     assert config.pack is GOLD_PACK and resolve_reward("gold_only", config.pack) is gold_only
     with pytest.raises(UserError, match="unknown reward 'gold_only'"):
         resolve_reward("gold_only")  # no pack registers it by name
+
+
+def test_rollout_serves_its_model_as_a_policy_spec_like_eval(tmp_path, monkeypatch):
+    # `rollout --model` takes what eval and serve take (base, a run folder, a checkpoint, an adapter, a model
+    # folder): the runner resolves it with the same resolve_policy and starts its engine through engine_for_policy.
+    from contextlib import ExitStack
+
+    from lightning_otel.rollouts import runner
+    from lightning_otel.serve import serving
+
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    seen = {}
+
+    def started(policy, engine, owned, python=None, log_path=None):
+        seen.update(policy=policy, engine=engine)
+        raise RuntimeError("stop before vLLM")
+
+    monkeypatch.setattr(serving, "engine_for_policy", started)
+    config = RolloutConfig(tasks=spider_task_file(tmp_path), agent=AGENT, reward="spider_exec", model=str(model))
+    with ExitStack() as owned, pytest.raises(RuntimeError, match="stop before vLLM"):
+        runner.start_gateway(config, None, None, owned)
+    assert seen["engine"] is None and seen["policy"].base_model == model.resolve()
+    assert seen["policy"].adapter is None and seen["policy"].label == "my-model"

@@ -480,7 +480,7 @@ def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_
         summary, versions = evaluated("base", "report-base")
         assert Path(engine.config.model_dir).resolve() == base.resolve() and versions == [0]
         # A model folder it does not run: refused, unless loaded first.
-        with pytest.raises(UserError, match="let eval start its own engine"):
+        with pytest.raises(UserError, match="let the command start its own engine"):
             evaluated(str(merged), "report-refused")
         engine.load_model(merged, 0)
         summary, versions = evaluated(str(merged), "report-merged")

@@ -40,8 +40,9 @@ def register(sub) -> None:
     add_samples(p)
     p.add_argument("--concurrency", type=int, default=2, help="rollouts at a time (default: 2)")
     add_db(p)
-    p.add_argument("--model", help="policy to serve: a local Hugging Face model folder (default: the bundled "
-                                   "SmolLM2-135M-Instruct), through vLLM and the token-recording gateway")
+    p.add_argument("--model", help="policy to serve through vLLM and the token-recording gateway, as eval takes it: "
+                                   "base (the bundled SmolLM2-135M-Instruct, the default), a training run folder "
+                                   "(its best checkpoint), a checkpoint, a LoRA adapter or a model folder")
     p.add_argument("--base-url", help="instead of serving --model: an outside OpenAI-compatible endpoint the "
                                       "agents call (no token records)")
     p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")

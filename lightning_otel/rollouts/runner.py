@@ -3,8 +3,9 @@
     lightning-otel rollout --tasks dev.jsonl --agent "python agent.py --question {question} --db {db_path}" \\
         -n 4 --concurrency 2 --db traces.duckdb --reward spider_exec
 
-With no --base-url, the runner serves the policy (the bundled model, or --model PATH) with the vLLM engine
-behind the token-recording gateway, and points each agent at its own gateway prefix.
+With no --base-url, the runner serves the policy (the bundled model, or --model: a run, checkpoint, adapter or
+model folder) with the vLLM engine behind the token-recording gateway, and points each agent at its own
+gateway prefix.
 
 Each rollout is a subprocess under `opentelemetry-instrument` with our distro, given (DESIGN §7):
 OPENAI_BASE_URL, OPENAI_API_KEY, OTEL_RESOURCE_ATTRIBUTES (lightning.rollout.id, lightning.task.id,
@@ -480,17 +481,17 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
 
 
 def start_gateway(config: RolloutConfig, collector_info, engine, owned):
-    """The gateway over `engine`, or over a vLLM engine started here on config.model (bundled by default)."""
-    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+    """The gateway over `engine`, or over a vLLM engine started here serving config.model: a policy as eval and
+    serve take it (the bundled model by default, a run folder's best checkpoint, a checkpoint, an adapter or a
+    model folder: lightning_otel.serve.policy)."""
+    from lightning_otel.serve.engine import default_engine_python
     from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
-    from lightning_otel.serve.model import resolve_model
+    from lightning_otel.serve.policy import resolve_policy
+    from lightning_otel.serve.serving import engine_for_policy
 
     if engine is None:
         python = default_engine_python()
-        engine = VLLMEngine(EngineConfig(model_dir=resolve_model(config.model, python), python=python))
-        log.info("starting the vLLM engine (about a minute on CPU)")
-        engine.start()
-        owned.callback(engine.stop)
+        engine = engine_for_policy(resolve_policy(config.model or "base", python), None, owned, python)
     gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url,
                                             collector_token=collector_info.ingest_token,
                                             native_tools=template_renders_tools(engine.config.model_dir),

@@ -9,16 +9,69 @@ user's own agents can train the next version (`lightning-otel train --offline`).
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
-from lightning_otel.serve.engine import PolicyEngine
+from lightning_otel.errors import UserError
+from lightning_otel.serve.engine import EngineConfig, EngineError, PolicyEngine, VLLMEngine, default_engine_python
 from lightning_otel.serve.policy import Policy, resolve_policy
 
 log = logging.getLogger(__name__)
+
+
+def adapter_rank(adapter: Path) -> int:
+    return int(json.loads((adapter / "adapter_config.json").read_text()).get("r", 8))
+
+
+def engine_for_policy(policy: Policy, engine: PolicyEngine | None, owned: ExitStack, python: str | None = None,
+                      log_path: Path | None = None) -> PolicyEngine:
+    """The engine serving `policy` (eval, rollout, serve): the one given (switched to the policy, back on its
+    own base model when a trainer left it on merged weights, its policy restored when `owned` closes), or one
+    started here on the policy's base model and stopped when `owned` closes."""
+    if engine is None:
+        rank = adapter_rank(policy.adapter) if policy.adapter else 8
+        engine = VLLMEngine(EngineConfig(model_dir=policy.base_model, python=python or default_engine_python(),
+                                         max_lora_rank=max(16, rank), log_path=log_path))
+        log.info("starting the vLLM engine on %s (about a minute on CPU)", policy.base_model)
+        engine.start()
+        owned.callback(engine.stop)
+    else:
+        wanted = policy.base_model.resolve()
+        if policy.merged is not None and Path(engine.config.model_dir).resolve() == policy.merged:
+            # The trainer left the engine on this checkpoint's merged weights: the same function as base +
+            # adapter, and faster to decode on CPU than LoRA.
+            engine.model_name, engine.policy_version = engine.base_name, policy.version
+            return engine
+        if Path(engine.config.model_dir).resolve() != wanted and \
+                Path(engine.base_dir).resolve() == wanted:
+            engine.use_base()  # a trainer moved it to merged weights (serve_merged): back to its base model
+        served = Path(engine.config.model_dir).resolve()
+        if served != wanted:
+            raise UserError(f"the running engine serves {served}, but policy {policy.label} needs model "
+                            f"{policy.base_model}; let the command start its own engine (or load_model() it first)")
+        if policy.adapter and adapter_rank(policy.adapter) > engine.config.max_lora_rank:
+            raise UserError(f"adapter {policy.adapter} has rank {adapter_rank(policy.adapter)}, above the running "
+                            f"engine's max_lora_rank {engine.config.max_lora_rank}")
+        previous = (engine.model_name, engine.policy_version)
+
+        def restore() -> None:
+            if Path(engine.config.model_dir).resolve() == served:
+                engine.model_name, engine.policy_version = previous
+
+        owned.callback(restore)
+    if policy.adapter is not None:
+        try:
+            engine.update_weights(policy.adapter, policy.version)
+        except EngineError as exc:
+            raise UserError(f"the engine could not load the LoRA adapter {policy.adapter} as policy version "
+                            f"{policy.version}: {exc}") from None
+    else:  # the weights the engine runs, as they are (no adapter)
+        engine.model_name, engine.policy_version = engine.base_name, policy.version
+    return engine
 
 
 def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: str | None = None,
@@ -26,7 +79,6 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
                  engine: PolicyEngine | None = None) -> None:
     """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on 127.0.0.1:port. An engine
     already running on the policy's base model may be given instead of starting one."""
-    from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
     from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
     from lightning_otel.span_store import discovery
     from lightning_otel.span_store.collector import Collector, private_config
@@ -43,13 +95,7 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
                 owned.callback(collector.close)
                 info = collector.info
             collector_url, collector_token = info.url, info.ingest_token
-        if engine is None:
-            engine = VLLMEngine(EngineConfig(model_dir=policy.base_model, python=python))
-            log.info("starting the vLLM engine on %s", policy.base_model)
-            engine.start()
-            owned.callback(engine.stop)
-        if policy.adapter is not None:
-            engine.update_weights(policy.adapter, max(policy.version, 1))
+        engine = engine_for_policy(policy, engine, owned, python)
         gateway = Gateway(engine, GatewayConfig(port=port, collector_url=collector_url, collector_token=collector_token,
                                                 native_tools=template_renders_tools(policy.base_model)))
         gateway.start()
