@@ -166,19 +166,22 @@ class TrainConfig:
                 raise UserError(f"train config: {message}")
 
     def _take_deprecated_keys(self) -> None:
-        """Keys of the previous release: each is mapped onto its new key, with a warning naming both."""
-        self.advantage = advantage_name(self.advantage, lambda text: log.warning("train config: %s", text))
+        """Keys of the previous release: each is mapped onto its new key (migrate_saved, the one mapping, also
+        used for saved runs), with a warning naming both."""
+        old = {"advantage": self.advantage, "kl": self.kl, "agent_timeout_s": self.agent_timeout_s}
+        new = migrate_saved(old)
+        advantage_name(self.advantage, lambda text: log.warning("train config: %s", text))  # the spelling's note
         if self.kl is not None:
-            target = "kl_reward" if self.advantage in TOKEN_RETURNS else "kl_loss"
+            target = "kl_reward" if "kl_reward" in new else "kl_loss"
             log.warning("train config: `kl` is deprecated (it goes in the next release): with advantage = %r it is "
                         "%s = %s; set kl_loss (the KL term of the loss) or kl_reward (REINFORCE++'s KL penalty in "
-                        "the token rewards)", self.advantage, target, self.kl)
-            setattr(self, target, self.kl)
-            self.kl = None
+                        "the token rewards)", new["advantage"], target, self.kl)
         if self.agent_timeout_s is not None:
             log.warning("train config: `agent_timeout_s` is deprecated (it goes in the next release): it is "
                         "rollout_timeout_s = %s", self.agent_timeout_s)
-            self.rollout_timeout_s, self.agent_timeout_s = self.agent_timeout_s, None
+        for key, value in new.items():
+            setattr(self, key, value)
+        self.kl = self.agent_timeout_s = None
 
     @property
     def filters_pool(self) -> bool:
