@@ -42,6 +42,7 @@ def launch(launcher: list[str], store: Path, out: Path, where: str = WHERE) -> s
 
 def trained(result: subprocess.CompletedProcess, out: Path) -> tuple[dict, dict]:
     assert result.returncode == 0, result.stderr[-4000:]
+    assert "terminate called" not in result.stderr  # every rank left its process group before exiting
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     return metrics, load_file(out / "checkpoints" / "offline" / "adapter" / "adapter_model.safetensors")
 

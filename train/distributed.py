@@ -84,6 +84,14 @@ def release() -> None:
     announce("exit", {})
 
 
+def finish() -> None:
+    """Every rank, last: leave the process group, so no gloo thread is still running when the interpreter exits
+    (a process that exits with one aborts: 'terminate called without an active exception', exit code 250)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def follow() -> None:
     """Ranks other than 0: make rank 0's learner calls until it releases them."""
     from lightning_otel.train.learner import Learner

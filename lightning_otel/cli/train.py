@@ -47,11 +47,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         distributed.init()
         if distributed.rank() > 0:
             distributed.follow()
+            distributed.finish()
             return 0
     code = _train(args)
     # Only after a run that ended well: after an error the other ranks may be inside a step rank 0 left, and the
     # launcher stops them when rank 0 exits with an error.
     distributed.release()
+    distributed.finish()
     return code
 
 
