@@ -119,3 +119,17 @@ def test_row_bound_and_a_large_allowed_answer(collector_process, db_path):
     table = client.query_arrow("SELECT i, repeat('x', 300) || i AS s FROM range(1000000) t(i)", db_path)
     assert table.num_rows == 1_000_000 and table.column("s")[999_999].as_py().endswith("999999")
     assert ingest_and_count(proc.url, db_path, seed=5) == 5
+
+
+def test_export_reads_pages_under_the_row_bound(collector_process, db_path, tmp_path, monkeypatch):
+    from lightning_otel.span_store import export
+
+    proc = collector_process("--max-result-rows", "1000")
+    for seed in range(5):
+        assert post(proc.url + "/v1/traces", sample_request(500, seed=40 + seed).SerializeToString())[0] == 200
+    monkeypatch.setattr(export, "PAGE_ROWS", 700)  # several pages, the last one partial
+    written = export.export_parquet(db_path, tmp_path / "out")
+    assert written["spans"] == 2500
+    import duckdb
+    ids = duckdb.connect().execute(f"SELECT count(DISTINCT span_id) FROM '{tmp_path}/out/spans/*/*.parquet'")
+    assert ids.fetchone()[0] == 2500
