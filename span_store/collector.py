@@ -69,6 +69,7 @@ class CollectorConfig:
     max_result_bytes: int = 512 * 1024 * 1024
     # Queries are interrupted while the process's resident memory is over this; None: memory_limit + 1GB.
     max_query_memory: str | None = None
+    max_temp_size: str = "10GB"  # what queries may spill to <db>.tmp (DuckDB's default: 90% of the disk)
     # DuckDB's default (16 MB of WAL) checkpoints every ~13k spans and rewrites the open row group each
     # time; 256 MB doubled sustained ingest (benchmarks/RESULTS.md) for at most that much WAL to replay.
     checkpoint_threshold: str = "256MB"
@@ -86,6 +87,7 @@ class CollectorConfig:
         if self.max_result_rows < 1 or self.max_result_bytes < 1:
             raise UserError("--max-result-rows and --max-result-bytes must be positive")
         self.query_limits()  # sizes that do not parse fail here, not on the first query
+        store.parse_size(self.max_temp_size)
         if self.decode_workers < 0:
             raise UserError("--decode-workers must be 0 (decode in the server process) or more")
         for role in (None, *discovery.ROLES):
@@ -164,7 +166,7 @@ class Collector:
         self.db = config.db.absolute()
         self._claim_discovery_file()
         self.con = store.connect(self.db, memory_limit=config.memory_limit,
-                                 checkpoint_threshold=config.checkpoint_threshold)
+                                 checkpoint_threshold=config.checkpoint_threshold, max_temp_size=config.max_temp_size)
         self.writer = BatchWriter(self.con, config.max_pending_rows)
         self.reader = store.Reader(self.con, timeout_s=config.query_timeout_s, limits=config.query_limits())
         self._inflight = threading.BoundedSemaphore(config.max_inflight_requests)

@@ -19,6 +19,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
                              max_body_bytes=args.max_body_bytes, max_pending_rows=args.max_pending_rows,
                              memory_limit=args.memory_limit, max_result_rows=args.max_result_rows,
                              max_result_bytes=args.max_result_bytes, max_query_memory=args.max_query_memory,
+                             max_temp_size=args.max_temp_size,
                              **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}))
     run_collector(config)
     return 0
@@ -130,6 +131,8 @@ def register(sub) -> None:
     p.add_argument("--max-query-memory", default=None,
                    help="queries are stopped (413) while the collector's resident memory is over this "
                         "(default: --memory-limit + 1GB)")
+    p.add_argument("--max-temp-size", default="10GB",
+                   help="most disk queries may spill to <db>.tmp (default: 10GB); more gets 413")
     p.add_argument("--decode-workers", type=int, default=None,
                    help="processes that decode OTLP bodies (default: cores - 1, 1 to 4; 0 = in the server)")
     p.set_defaults(func=cmd_collect)
