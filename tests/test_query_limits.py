@@ -127,9 +127,18 @@ def test_export_reads_pages_under_the_row_bound(collector_process, db_path, tmp_
     proc = collector_process("--max-result-rows", "1000")
     for seed in range(5):
         assert post(proc.url + "/v1/traces", sample_request(500, seed=40 + seed).SerializeToString())[0] == 200
-    monkeypatch.setattr(export, "PAGE_ROWS", 700)  # several pages, the last one partial
+    monkeypatch.setattr(export, "PAGE_ROWS", 700, raising=False)  # several pages, the last partial
     written = export.export_parquet(db_path, tmp_path / "out")
     assert written["spans"] == 2500
     import duckdb
     ids = duckdb.connect().execute(f"SELECT count(DISTINCT span_id) FROM '{tmp_path}/out/spans/*/*.parquet'")
     assert ids.fetchone()[0] == 2500
+
+
+def test_spilling_past_the_temp_bound_gets_413(collector_process, db_path):
+    proc = collector_process("--memory-limit", "200MB", "--max-temp-size", "100MB")
+    sorted_strings = ("SELECT count(*) FROM (SELECT i, md5(i::VARCHAR) || repeat('x', 100) AS s "
+                      "FROM range(20000000) t(i) ORDER BY s)")
+    status, message = status_of_query(proc.url, sorted_strings)
+    assert status == 413 and "--max-temp-size" in message, message
+    assert ingest_and_count(proc.url, db_path, seed=6) == 5
