@@ -64,6 +64,12 @@ class CollectorConfig:
     retry_after_s: int = 1
     query_timeout_s: float = 120.0
     memory_limit: str = "2GB"
+    # A query's answer is held whole before it is sent (so a bound hit is a 413, not a cut stream).
+    max_result_rows: int = 5_000_000
+    max_result_bytes: int = 512 * 1024 * 1024
+    # Queries are interrupted while the process's resident memory is over this; None: memory_limit + 1GB.
+    max_query_memory: str | None = None
+    max_temp_size: str = "10GB"  # what queries may spill to <db>.tmp (DuckDB's default: 90% of the disk)
     # DuckDB's default (16 MB of WAL) checkpoints every ~13k spans and rewrites the open row group each
     # time; 256 MB doubled sustained ingest (benchmarks/RESULTS.md) for at most that much WAL to replay.
     checkpoint_threshold: str = "256MB"
@@ -78,6 +84,10 @@ class CollectorConfig:
             raise UserError(f"--max-body-bytes {self.max_body_bytes} is too small (at least 1024)")
         if self.max_pending_rows < 1 or self.max_inflight_requests < 1:
             raise UserError("max_pending_rows and max_inflight_requests must be positive")
+        if self.max_result_rows < 1 or self.max_result_bytes < 1:
+            raise UserError("--max-result-rows and --max-result-bytes must be positive")
+        self.query_limits()  # sizes that do not parse fail here, not on the first query
+        store.parse_size(self.max_temp_size)
         if self.decode_workers < 0:
             raise UserError("--decode-workers must be 0 (decode in the server process) or more")
         for role in (None, *discovery.ROLES):
@@ -91,6 +101,11 @@ class CollectorConfig:
                 raise UserError(f"the {a} and {b} roles have the same token: give each role its own (an agent "
                                 f"holding the ingest token must not read the store or write rewards), or give "
                                 f"only --token for one token for every role")
+
+    def query_limits(self) -> store.QueryLimits:
+        resident = (store.parse_size(self.max_query_memory) if self.max_query_memory
+                    else store.parse_size(self.memory_limit) + 10**9)
+        return store.QueryLimits(self.max_result_rows, self.max_result_bytes, resident)
 
     def role_tokens(self) -> dict[str, str]:
         """role -> the token it needs, for the roles that need one."""
@@ -151,9 +166,9 @@ class Collector:
         self.db = config.db.absolute()
         self._claim_discovery_file()
         self.con = store.connect(self.db, memory_limit=config.memory_limit,
-                                 checkpoint_threshold=config.checkpoint_threshold)
+                                 checkpoint_threshold=config.checkpoint_threshold, max_temp_size=config.max_temp_size)
         self.writer = BatchWriter(self.con, config.max_pending_rows)
-        self.reader = store.Reader(self.con, timeout_s=config.query_timeout_s)
+        self.reader = store.Reader(self.con, timeout_s=config.query_timeout_s, limits=config.query_limits())
         self._inflight = threading.BoundedSemaphore(config.max_inflight_requests)
         try:
             self.server = _Server((config.host, config.port), _Handler, self, config.connection_limits)
@@ -427,7 +442,10 @@ class _Handler(KeepAliveHandler):
                 sql = orjson.loads(sql)["sql"]
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 raise RequestError(HTTPStatus.BAD_REQUEST, 'a JSON query body must be {"sql": "SELECT ..."}') from None
-        schema, batches = self.server.collector.reader.schema_and_batches(sql)
+        try:
+            schema, batches = self.server.collector.reader.schema_and_batches(sql)
+        except store.QueryTooLarge as exc:
+            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc)) from None
         # Streamed: the length is unknown up front, so the connection ends with the result.
         self.close_connection = True
         self.send_response(200)

@@ -16,10 +16,13 @@ from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
 
 DAY_OF = "strftime(make_timestamp_ns({col}), '%Y-%m-%d')"
+# Read a page at a time, in key order, so each answer stays under a collector's --max-result-rows and
+# --max-result-bytes (20,000 rows: 26 KB a row at the default bytes bound).
+PAGE_ROWS = 20_000
+SQL_PAGE = "SELECT *, {day} AS day FROM {table} WHERE {after} ORDER BY {keys} LIMIT {rows}"
 PARTITIONED = {
-    "spans": f"SELECT *, {DAY_OF.format(col='start_ns')} AS day FROM spans ORDER BY start_ns",
-    "logs": f"SELECT *, {DAY_OF.format(col='coalesce(nullif(time_ns, 0), observed_ns)')} AS day "
-            f"FROM logs ORDER BY time_ns",
+    "spans": (DAY_OF.format(col="start_ns"), ("start_ns", "trace_id", "span_id")),
+    "logs": (DAY_OF.format(col="coalesce(nullif(time_ns, 0), observed_ns)"), ("time_ns", "log_id")),
 }
 WHOLE = ("tasks", "rollout_runs", "rewards")
 
@@ -33,8 +36,8 @@ def export_parquet(db: Path | str, out_dir: Path | str, overwrite: bool = False)
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, int] = {}
-    for table, sql in PARTITIONED.items():
-        schema, batches = client.record_batches(sql, db)
+    for table, (day, keys) in PARTITIONED.items():
+        schema, batches = _pages(db, table, day, keys)
         counted = _counting(batches, written, table)
         ds.write_dataset(pa.RecordBatchReader.from_batches(schema, counted), out / table, format="parquet",
                          partitioning=ds.partitioning(pa.schema([("day", pa.string())]), flavor="hive"),
@@ -46,6 +49,30 @@ def export_parquet(db: Path | str, out_dir: Path | str, overwrite: bool = False)
         pq.write_table(data, out / f"{table}.parquet")
         written[table] = data.num_rows
     return written
+
+
+def _pages(db: Path | str, table: str, day: str, keys: tuple[str, ...]):
+    """The table's rows with their day, as (schema, batches), fetched PAGE_ROWS at a time after the last key."""
+    key_sql = ", ".join(f"coalesce({key}, 0)" if key.endswith("_ns") else key for key in keys)
+
+    def page(after: str) -> pa.Table:
+        return client.query_arrow(SQL_PAGE.format(day=day, table=table, after=after, keys=key_sql,
+                                                  rows=PAGE_ROWS), db)
+
+    first = page("true")
+
+    def batches():
+        current = first
+        while True:
+            yield from current.to_batches()
+            if current.num_rows < PAGE_ROWS:
+                return
+            last = [current.column(key)[-1].as_py() for key in keys]
+            values = ", ".join(str(v or 0) if key.endswith("_ns") else client.sql_literal(v)
+                               for key, v in zip(keys, last))
+            current = page(f"({key_sql}) > ({values})")
+
+    return first.schema, batches()
 
 
 def _counting(batches, written: dict[str, int], table: str):

@@ -8,8 +8,10 @@ and readonly.check_read_only lets through only statements that read the store: n
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -23,6 +25,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.span_store.readonly import check_read_only
 
 log = logging.getLogger(__name__)
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 SQL_CREATE_MIGRATIONS = """
@@ -122,7 +125,8 @@ def _lock_holder(message: str) -> str:
 
 
 def connect(path: Path | str, read_only: bool = False, memory_limit: str | None = None,
-            threads: int | None = None, checkpoint_threshold: str | None = None) -> duckdb.DuckDBPyConnection:
+            threads: int | None = None, checkpoint_threshold: str | None = None,
+            max_temp_size: str | None = None) -> duckdb.DuckDBPyConnection:
     """Open a store file with external access disabled, migrating it when opened read-write, then lock
     its configuration (no SET, RESET or PRAGMA that sets works on it afterwards).
 
@@ -138,6 +142,8 @@ def connect(path: Path | str, read_only: bool = False, memory_limit: str | None 
         config["threads"] = threads
     if checkpoint_threshold:
         config["checkpoint_threshold"] = checkpoint_threshold
+    if max_temp_size:
+        config["max_temp_directory_size"] = max_temp_size  # what a query may spill (DuckDB: 90% of the disk)
     try:
         if read_only:
             with duckdb.connect(str(path), read_only=True) as probe:
@@ -159,43 +165,87 @@ def connect(path: Path | str, read_only: bool = False, memory_limit: str | None 
     return con
 
 
+# One DuckDB vector per Arrow batch: the bounds below are checked between batches, so a bigger batch is
+# more that is built before a check can stop it.
+RESULT_BATCH_ROWS = 2048
+GUARD_SAMPLE_S = 0.01
+# The small batches are joined into ones of about this size for sending: per-batch overhead on the socket
+# made a 4M-row answer of two integer columns 3x slower.
+SEND_BATCH_BYTES = 16 * 2**20
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size as DuckDB writes memory_limit ('2GB' = 2e9 bytes, '2GiB' = 2**31)."""
+    match = SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in SIZE_UNITS:
+        raise UserError(f"{text!r} is not a size; write it like 512MB, 2GB or 2GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class QueryLimits:
+    """What one query may build. DuckDB's memory_limit covers its buffer pool and operators, not every
+    allocation: the strings a query makes and their Arrow copy are outside it, so the answer is bounded in
+    rows and bytes, and a guard interrupts the query while the process's resident memory is over a bound."""
+    max_rows: int | None = None
+    max_bytes: int | None = None
+    max_resident_bytes: int | None = None
+
+    @property
+    def bounds_result(self) -> bool:
+        return bool(self.max_rows or self.max_bytes)
+
+
+class QueryTooLarge(UserError):
+    """A query went past one of its QueryLimits (the collector answers 413)."""
+
+
 class Reader:
     """Runs read-only queries on a connection, each on its own cursor in a read-only transaction."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, timeout_s: float | None = None):
+    def __init__(self, con: duckdb.DuckDBPyConnection, timeout_s: float | None = None,
+                 limits: QueryLimits | None = None):
         self.con = con
         self.timeout_s = timeout_s
+        self.limits = limits or QueryLimits()
 
-    def record_batches(self, sql: str, batch_rows: int = 65_536) -> Iterator[pa.RecordBatch]:
-        """Stream the result of one read statement, so a big result never sits in memory whole."""
+    def record_batches(self, sql: str, batch_rows: int = RESULT_BATCH_ROWS) -> Iterator:
+        """The schema, then the result of one read statement as record batches: streamed, so a big result
+        never sits in memory whole, and stopped (QueryTooLarge) before a batch past the limits is yielded."""
         check_read_only(sql)
         cursor = self.con.cursor()
-        timer = None
-        if self.timeout_s:
-            timer = threading.Timer(self.timeout_s, cursor.interrupt)
-            timer.start()
+        guard = _QueryGuard(cursor, self.timeout_s, self.limits.max_resident_bytes)
         try:
             cursor.execute("BEGIN TRANSACTION READ ONLY")
             try:
                 reader = cursor.sql(sql).to_arrow_reader(batch_rows)
-                yield from _reader_with_schema(reader)
-            except duckdb.InterruptException:
-                raise UserError(f"query stopped after the {self.timeout_s:g} s limit") from None
-            except duckdb.Error as exc:
-                raise UserError(f"query failed: {exc}") from None
+                yield reader.schema
+                yield from _within_limits(reader, self.limits)
+            except duckdb.OutOfMemoryException as exc:
+                raise guard.stopped() or _out_of_memory(exc) from None
+            except (duckdb.Error, pa.ArrowException, OSError) as exc:
+                # An interrupt inside the Arrow stream surfaces as an Arrow error, not InterruptException.
+                raise guard.stopped() or UserError(f"query failed: {exc}") from None
             finally:
                 try:
                     cursor.execute("ROLLBACK")
                 except duckdb.Error:
                     pass  # an interrupted or failed statement has already ended the transaction
         finally:
-            if timer:
-                timer.cancel()
+            guard.finish()
             cursor.close()
 
     def schema_and_batches(self, sql: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+        """With result limits, the whole answer (at most those limits) is fetched before this returns, so a
+        caller answering over HTTP learns of a bound before it sends anything; without, it streams."""
         batches = self.record_batches(sql)
         schema = next(batches)  # first item is the schema, so errors surface before any byte is sent
+        if self.limits.bounds_result:
+            return schema, iter(list(_joined(batches, SEND_BATCH_BYTES)))
         return schema, batches
 
     def arrow(self, sql: str) -> pa.Table:
@@ -203,9 +253,89 @@ class Reader:
         return pa.Table.from_batches(list(batches), schema=schema)
 
 
-def _reader_with_schema(reader: pa.RecordBatchReader) -> Iterator:
-    yield reader.schema
-    yield from reader
+def _joined(batches: Iterator[pa.RecordBatch], target_bytes: int) -> Iterator[pa.RecordBatch]:
+    group: list[pa.RecordBatch] = []
+    size = 0
+    for batch in batches:
+        group.append(batch)
+        size += batch.nbytes
+        if size >= target_bytes:
+            yield pa.concat_batches(group)
+            group, size = [], 0
+    if group:
+        yield pa.concat_batches(group)
+
+
+def _out_of_memory(exc: duckdb.OutOfMemoryException) -> QueryTooLarge:
+    bound = ("spilled more to disk than --max-temp-size allows" if "max_temp_directory_size" in str(exc)
+             else f"ran out of memory ({str(exc).splitlines()[0]})")
+    return QueryTooLarge(f"query {bound}; add LIMIT, aggregate, select fewer or narrower columns, or raise "
+                         f"--memory-limit or --max-temp-size")
+
+
+def _within_limits(reader: pa.RecordBatchReader, limits: QueryLimits) -> Iterator[pa.RecordBatch]:
+    rows = size = 0
+    for batch in reader:
+        rows += batch.num_rows
+        size += batch.nbytes
+        if limits.max_rows and rows > limits.max_rows:
+            raise QueryTooLarge(f"the result has more than {limits.max_rows} rows (--max-result-rows); add LIMIT "
+                                f"or aggregate, or raise --max-result-rows")
+        if limits.max_bytes and size > limits.max_bytes:
+            raise QueryTooLarge(f"the result is over {limits.max_bytes} bytes (--max-result-bytes) after "
+                                f"{rows} rows; add LIMIT, select fewer or narrower columns (attributes and "
+                                f"message columns are the wide ones), or raise --max-result-bytes")
+        yield batch
+
+
+class _QueryGuard:
+    """Interrupts one query past its time limit, or while the process's resident memory is over a bound:
+    checked every GUARD_SAMPLE_S, and DuckDB stops at its next vector, so one vector's values can pass it."""
+
+    def __init__(self, cursor: duckdb.DuckDBPyConnection, timeout_s: float | None, max_resident: int | None):
+        self.cursor = cursor
+        self.deadline = time.monotonic() + timeout_s if timeout_s else None
+        self.timeout_s = timeout_s
+        self.max_resident = max_resident if max_resident and resident_bytes() is not None else None
+        self.reason: UserError | None = None
+        self._done = threading.Event()
+        self._thread = None
+        if self.deadline or self.max_resident:
+            self._thread = threading.Thread(target=self._watch, name="query-guard", daemon=True)
+            self._thread.start()
+
+    def _watch(self) -> None:
+        interval = GUARD_SAMPLE_S if self.max_resident else self.timeout_s
+        while not self._done.wait(interval):
+            if self.deadline and time.monotonic() >= self.deadline:
+                self.reason = UserError(f"query stopped after the {self.timeout_s:g} s limit")
+            elif self.max_resident and (resident := resident_bytes() or 0) > self.max_resident:
+                self.reason = QueryTooLarge(
+                    f"query stopped: the collector's resident memory reached {resident / 2**20:.0f} MiB, over "
+                    f"the {self.max_resident / 2**20:.0f} MiB bound for queries (--max-query-memory); the query "
+                    f"builds more than fits: add LIMIT, select fewer or narrower columns or smaller values "
+                    f"(repeat, string_agg and list build large ones), or raise --memory-limit")
+            else:
+                continue
+            self.cursor.interrupt()
+            return
+
+    def stopped(self) -> UserError | None:
+        return self.reason
+
+    def finish(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux /proc), or None where that cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def insert_batch(con: duckdb.DuckDBPyConnection, kind: str, batch: pa.Table, skip_duplicates: bool = True) -> None:

@@ -17,7 +17,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
     config = CollectorConfig(db=args.db, host=args.host, port=args.port, token=args.token,
                              ingest_token=args.ingest_token, query_token=args.query_token, admin_token=args.admin_token,
                              max_body_bytes=args.max_body_bytes, max_pending_rows=args.max_pending_rows,
-                             memory_limit=args.memory_limit,
+                             memory_limit=args.memory_limit, max_result_rows=args.max_result_rows,
+                             max_result_bytes=args.max_result_bytes, max_query_memory=args.max_query_memory,
+                             max_temp_size=args.max_temp_size,
                              **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}))
     run_collector(config)
     return 0
@@ -122,6 +124,15 @@ def register(sub) -> None:
     p.add_argument("--max-pending-rows", type=int, default=200_000,
                    help="rows waiting for a commit before senders are told to retry (503)")
     p.add_argument("--memory-limit", default="2GB", help="DuckDB memory limit (default: 2GB)")
+    p.add_argument("--max-result-rows", type=int, default=5_000_000,
+                   help="most rows one query may return (default: 5,000,000); more gets 413")
+    p.add_argument("--max-result-bytes", type=int, default=512 * 1024 * 1024,
+                   help="most bytes (Arrow) one query may return (default: 512 MiB); more gets 413")
+    p.add_argument("--max-query-memory", default=None,
+                   help="queries are stopped (413) while the collector's resident memory is over this "
+                        "(default: --memory-limit + 1GB)")
+    p.add_argument("--max-temp-size", default="10GB",
+                   help="most disk queries may spill to <db>.tmp (default: 10GB); more gets 413")
     p.add_argument("--decode-workers", type=int, default=None,
                    help="processes that decode OTLP bodies (default: cores - 1, 1 to 4; 0 = in the server)")
     p.set_defaults(func=cmd_collect)
