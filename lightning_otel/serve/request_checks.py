@@ -142,14 +142,14 @@ def _check_message(message: Any, where: str) -> None:
         raise BadRequest(f'{where}.tool_calls must be a list of {{"type": "function", "function": {{"name": "...", '
                          '"arguments": "{...}"}}}}', f"{where}.tool_calls")
     for key in ("name", "tool_call_id"):
-        if not isinstance(message.get(key, ""), str):
+        if message.get(key) is not None and not isinstance(message[key], str):  # null: sent for unset fields
             raise BadRequest(f"{where}.{key} must be a string", f"{where}.{key}")
 
 
 def _is_call(call: Any) -> bool:
     function = call.get("function") if isinstance(call, dict) else None
     return isinstance(function, dict) and isinstance(function.get("name"), str) and \
-        isinstance(function.get("arguments", ""), (str, dict))
+        (function.get("arguments") is None or isinstance(function["arguments"], (str, dict)))
 
 
 def _check_tools(tools: Any) -> None:
@@ -162,7 +162,7 @@ def _check_tools(tools: Any) -> None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise BadRequest(f'tools[{i}] must be {{"type": "function", "function": {{"name": "...", "parameters": '
                              '{...}}}}: a function with a string name', f"tools[{i}]")
-        if not isinstance(function.get("parameters", {}), dict):
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise BadRequest(f"tools[{i}]'s parameters must be a JSON schema object, like "
                              '{"type": "object", "properties": {...}}', f"tools[{i}].function.parameters")
 
