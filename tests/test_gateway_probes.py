@@ -274,14 +274,15 @@ def records(gateway, rollout_id: str) -> int:
                         gateway.db)["n"][0]
 
 
-@pytest.mark.parametrize("raw,route,status,needle,param", [p[1:] for p in PROBES], ids=[p[0] for p in PROBES])
-def test_each_probe_gets_an_openai_error_and_the_next_request_is_served(probed, raw, route, status, needle, param):
-    code, payload = send(probed, "/r/ro-probe" + ROUTES[route], raw)
+@pytest.mark.parametrize("probe", PROBES, ids=[p[0] for p in PROBES])
+def test_each_probe_gets_an_openai_error_and_the_next_request_is_served(probed, probe):
+    name, raw, route, status, needle, param = probe
+    code, payload = send(probed, f"/r/ro-{name}" + ROUTES[route], raw)  # each probe its own rollout
     error = assert_error(code, payload, status, needle)
     if param is not None:
         assert error["param"] == param
     assert_served(probed)
-    assert records(probed, "ro-probe") == 0
+    assert records(probed, f"ro-{name}") == 0
 
 
 @pytest.mark.parametrize("lengths", [{"max_tokens": 10**30}, {"max_tokens": None, "max_completion_tokens": 10**12},
@@ -309,7 +310,7 @@ def test_a_body_over_the_limit_gets_413_and_the_next_request_is_served(probed):
     ("/r//v1/chat/completions", {}, "rollout id ''"),
     ("/r/ro%2Dvictim/v1/chat/completions", {}, "is not one"),
     ("/r/../v1/chat/completions", {}, "is not one"),
-    ("/r/ro-own/v1/chat/completions", {"X-Lightning-Rollout-Id": "ro-victim"}, "name one rollout"),
+    ("/r/ro-mine/v1/chat/completions", {"X-Lightning-Rollout-Id": "ro-victim"}, "name one rollout"),
     ("/v1/chat/completions", {"X-Lightning-Rollout-Id": "ro-victim/../x"}, "is not one"),
     ("/v1/chat/completions", {"X-Lightning-Rollout-Id": ""}, "is not one"),
 ])
@@ -408,5 +409,28 @@ def test_a_client_that_never_reads_its_stream_is_cut_and_frees_its_slot(engine):
         for thread in threads:
             thread.join()
         assert codes == [200, 200]
+    finally:
+        gateway.close()
+
+
+def test_a_client_sending_its_body_slowly_gets_408_while_other_rollouts_are_served(engine):
+    """Already bounded by the shared server (test_slow_clients.py, on a stand-in engine); here with the real
+    one: while a rollout trickles its body, another rollout's generation is answered."""
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
+    from test_slow_clients import FAST, SlowClient, assert_all_cut, trickle
+    engine.use_base()
+    gateway = Gateway(engine, GatewayConfig(connection_limits=FAST))
+    gateway.start()
+    try:
+        body = with_field()
+        head = (b"POST /r/ro-slow/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        slow = SlowClient(gateway.url, iter(body), first=head)
+        trickler = trickle([slow])
+        assert_served(gateway, "ro-other")
+        assert_all_cut([slow], trickler)
+        assert slow.answer.startswith(b"HTTP/1.1 408 "), slow.answer[:100]
+        slow.close()
+        assert_served(gateway, "ro-other")
     finally:
         gateway.close()
