@@ -1,6 +1,8 @@
-"""What the gateway checks in a request before the engine sees it: the body's shape (BadRequest: a 400 naming
-the parameter), what `tool_choice` asks, and the parameters that would make the engine sample from another
-distribution than the policy's softmax(logits / T) while training rollouts force the temperature."""
+"""What the gateway checks in a request before the engine sees it: that the body is JSON every encoder
+downstream can take, the type of every field it or the engine reads, and the rollout id (BadRequest: a 400
+naming the parameter); what `tool_choice` asks; and the parameters that would make the engine sample from
+another distribution than the policy's softmax(logits / T) while training rollouts force the temperature.
+Agent traffic is untrusted: a wrong type here must never become a 500 (or a dropped connection) further down."""
 from __future__ import annotations
 
 import json
