@@ -21,8 +21,11 @@ answer as `lightning.scripted.answer` and no completion ids.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -40,8 +43,8 @@ from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
 from lightning_otel.serve.engine import Engine, EngineError
-from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_common, forced_tool,
-                                                 off_policy_params)
+from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_completion,
+                                                 check_rollout_id, forced_tool, off_policy_params, parse_body)
 from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,9 @@ class GatewayConfig:
     native_tools: bool = False  # True when the model's chat template renders `tools` itself
     max_body_bytes: int = 16 * 1024 * 1024
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
+    # The longest one write of an answer (an SSE event, a JSON body) may wait for the client to read: a client
+    # that stops reading its stream gives its connection back after this, instead of holding it forever.
+    send_timeout_s: float = 30.0
     default_max_tokens: int = 512
     # Training rollouts: cap every request's generation length, and sample at one temperature whatever the
     # agent asks (GRPO needs diverse samples; temperature 1 keeps the recorded logprobs those of the policy).
@@ -78,6 +84,8 @@ class GatewayConfig:
             tool_format(self.tool_format)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        if not (isinstance(self.send_timeout_s, (int, float)) and self.send_timeout_s > 0):
+            raise UserError(f"send_timeout_s={self.send_timeout_s!r}: give a positive number of seconds")
         if self.off_policy_params not in OFF_POLICY_MODES:
             raise UserError(f"off_policy_params {self.off_policy_params!r}: choose \"strip\" (drop them and say so "
                             "in the record) or \"refuse\" (answer 400)")
@@ -241,15 +249,7 @@ class Gateway:
     # ---- legacy completions ----------------------------------------------------------------------------
 
     def complete(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        prompt = body.get("prompt")
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
-                                             all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
-            raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
-        check_common(body, self.config.max_n)
-        if body.get("stream"):
-            raise BadRequest("streaming is not supported on /v1/completions; use /v1/chat/completions", "stream")
+        check_completion(body, self.config.max_n)
         stripped = self._off_policy(body, rollout_id)
         scripted = self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
@@ -350,26 +350,60 @@ class _Handler(KeepAliveHandler):
     server: _Server
 
     def _route(self) -> tuple[str | None, str]:
+        """The rollout (the /r/<rollout_id>/ prefix, else the X-Lightning-Rollout-Id header) and the path under
+        it. Ids are checked (check_rollout_id); a prefix and a header that name different rollouts are refused."""
         path = self.path.split("?", 1)[0]
-        if path.startswith("/r/"):
-            _, _, rest = path.partition("/r/")
-            rollout_id, _, tail = rest.partition("/")
-            return (rollout_id or None), "/" + tail
-        return self.headers.get("X-Lightning-Rollout-Id"), path
+        header = self.headers.get("X-Lightning-Rollout-Id")
+        if not path.startswith("/r/"):
+            if header is not None:
+                check_rollout_id(header)
+            return header, path
+        rollout_id, _, tail = path[len("/r/"):].partition("/")
+        check_rollout_id(rollout_id)
+        if header is not None and header != rollout_id:
+            raise BadRequest(f"the path names rollout {rollout_id} and the X-Lightning-Rollout-Id header names "
+                             f"{header[:80]!r}: name one rollout", "rollout_id")
+        return rollout_id, "/" + tail
+
+    def send_response_only(self, code: int, message: str | None = None) -> None:
+        super().send_response_only(code, message)
+        if code >= 200:
+            self.connection.settimeout(self.server.gateway.config.send_timeout_s)
+
+    def _send(self, status: int, content_type: str, chunks: list[bytes], length: int | None = None) -> None:
+        """Answer with `chunks`: a body of `length` bytes, or (None) a stream that ends with the connection.
+        A client that stops reading for send_timeout_s loses the connection; its thread is freed."""
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            if length is None:
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            else:
+                self.send_header("Content-Length", str(length))
+            self.end_headers()
+            for chunk in chunks:
+                self.wfile.write(chunk)
+        except OSError as exc:  # TimeoutError included
+            log.info("%s: dropping the connection, the answer could not be sent: %s", self.address_string(),
+                     exc or type(exc).__name__)
+            self.close_connection = True
+            with contextlib.suppress(OSError):  # reset: the kernel must not keep the unread bytes queued
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
     def _json(self, status: int, payload: dict) -> None:
         body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self._send(status, "application/json", [body], len(body))
 
     def _error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> None:
         self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": status}})
 
     def do_GET(self) -> None:  # noqa: N802
-        _, path = self._route()
+        try:
+            _, path = self._route()
+        except BadRequest as exc:
+            return self._error(exc.status, exc.message, param=exc.param)
         if path in ("/v1/models", "/models"):
             engine = self.server.gateway.engine
             return self._json(200, {"object": "list", "data": [
@@ -380,7 +414,6 @@ class _Handler(KeepAliveHandler):
         self._error(404, f"no endpoint GET {path}", "not_found")
 
     def do_POST(self) -> None:  # noqa: N802
-        rollout_id, path = self._route()
         gateway = self.server.gateway
         try:
             length = int(self.headers.get("Content-Length") or -1)
@@ -393,17 +426,15 @@ class _Handler(KeepAliveHandler):
             self.discard_body(length, 4 * gateway.config.max_body_bytes)
             return self._error(413, f"request body is over the {gateway.config.max_body_bytes}-byte limit")
         raw = self.rfile.read(length)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return self._error(400, f"the request body is not valid JSON: {exc}")
         headers = {k.lower(): v for k, v in self.headers.items()}
         try:
+            rollout_id, path = self._route()
+            body = parse_body(raw)
             if path in ("/v1/chat/completions", "/chat/completions"):
                 response = gateway.chat(body, headers, rollout_id)
                 if body.get("stream"):
                     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                    return self._stream(_stream_events(response, include_usage))
+                    return self._send(200, "text/event-stream", _stream_events(response, include_usage))
                 response.pop("_token_pieces", None)
                 return self._json(200, response)
             if path in ("/v1/completions", "/completions"):
@@ -415,16 +446,5 @@ class _Handler(KeepAliveHandler):
             error = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {"message": str(exc)}
             return self._json(exc.status, {"error": {**error, "code": exc.status}})
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the gateway down
-            log.exception("gateway error on %s", path)
+            log.exception("gateway error on %s", self.path[:200])
             return self._error(500, f"internal error: {exc}", "server_error")
-
-    def _stream(self, events: list[bytes]) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.close_connection = True
-        self.end_headers()
-        for event in events:
-            self.wfile.write(event)
-            self.wfile.flush()
