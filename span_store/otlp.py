@@ -76,6 +76,8 @@ INT64_MAX = 2**63 - 1
 # own parser stops at 100 nested messages and a kvlist level costs 3 of them (AnyValue, KeyValueList, KeyValue):
 # 32 levels is the most every place a value can sit holds, so JSON is held to the same and both accept alike.
 MAX_VALUE_DEPTH = 32
+# protobuf's parser says only "Error parsing message", for damage and for nesting past its limit alike.
+UPB_HINT = " (damaged, or messages nested deeper than 100 levels)"
 
 
 @dataclass
@@ -454,7 +456,7 @@ def decode_traces_protobuf_python(body: bytes) -> Decoded:
     try:
         request.ParseFromString(body)
     except (DecodeError, RuntimeError, ValueError) as exc:
-        raise DecodeFailure(f"body is not a protobuf ExportTraceServiceRequest: {exc}") from None
+        raise DecodeFailure(f"body is not a protobuf ExportTraceServiceRequest: {exc}{UPB_HINT}") from None
     out = _SpanColumns()
     for resource_spans in request.resource_spans:
         res = _ResourceContext(_pb_attrs(resource_spans.resource.attributes))
@@ -578,7 +580,7 @@ def decode_logs_protobuf(body: bytes) -> Decoded:
     try:
         request.ParseFromString(body)
     except (DecodeError, RuntimeError, ValueError) as exc:
-        raise DecodeFailure(f"body is not a protobuf ExportLogsServiceRequest: {exc}") from None
+        raise DecodeFailure(f"body is not a protobuf ExportLogsServiceRequest: {exc}{UPB_HINT}") from None
     out = _LogColumns()
     for resource_logs in request.resource_logs:
         res = _ResourceContext(_pb_attrs(resource_logs.resource.attributes))

@@ -378,6 +378,18 @@ def test_values_nested_too_deep_get_a_400_naming_where(store, place, as_json):
 
 
 @pytest.mark.parametrize("place", PLACES)
+def test_protobuf_nested_past_its_parsers_limit_gets_a_clean_400(store, place):
+    signal, request = deep_request(place, [True] * 300)
+    body = request.SerializeToString()
+    for decode in decoders(signal)[0]:
+        with pytest.raises(otlp.DecodeFailure, match="nested deeper than 100 levels"):
+            decode(body)
+    status, message, _ = store.send(body, signal=signal)
+    assert status == 400 and "nested deeper than 100 levels" in message
+    store.check()
+
+
+@pytest.mark.parametrize("place", PLACES)
 def test_the_depth_limit_is_the_same_in_either_encoding(place):
     too_deep = [False, True] * (DEPTH // 2) + [False]  # DEPTH + 2 levels, kvlists outermost and innermost
     signal, request = deep_request(place, too_deep)
