@@ -1483,7 +1483,8 @@ static PyMethodDef METHODS[] = {
     {"decode_traces", decode_traces, METH_VARARGS,
      "decode_traces(body, received_ns) -> (columns, rejected, errors)\n\n"
      "Decode a protobuf ExportTraceServiceRequest into the span store's columns, exactly as\n"
-     "otlp.decode_traces_protobuf_python does. Raises ValueError on a malformed body."},
+     "otlp.decode_traces_protobuf_python does. Raises ValueError on a malformed body, RecursionError\n"
+     "naming the attribute on a value nested more than otlp.MAX_VALUE_DEPTH levels."},
     {NULL, NULL, 0, NULL},
 };
 
