@@ -98,7 +98,7 @@ FUZZ_SCALE ?= 2
 ifndef HYPOTHESIS_SEED
 HYPOTHESIS_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
-ASAN_TESTS := tests/test_otlp_fast.py tests/test_otlp_decode.py
+ASAN_TESTS := tests/test_otlp_fast.py tests/test_otlp_decode.py tests/test_otlp_strict.py
 
 $(ASAN_DIR)/_otlp_fast.so: span_store/_otlp_fast.c tests/otlp_fast_asan.c $(VENV)/.installed
 	mkdir -p $(ASAN_DIR)

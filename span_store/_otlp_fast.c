@@ -20,6 +20,10 @@
  *     kvlist_value merge (their elements concatenate) until another member resets the oneof;
  *   - duplicate keys in an attribute list behave like a Python dict built in order: the key keeps the
  *     position of its first occurrence and takes the value of its last.
+ *
+ * As the reference does (otlp.MAX_VALUE_DEPTH, otlp._valid_id): an attribute value nested more than
+ * MAX_VALUE_DEPTH levels raises RecursionError naming the attribute, even in a span that is rejected; a span
+ * whose trace, span, parent span or link id is not a valid id is rejected.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,6 +34,7 @@
 
 #define MAX_DEPTH 100 /* upb's default recursion limit: nested messages and groups below the request */
 #define MAX_ERRORS 20 /* as _SpanColumns.reject */
+#define MAX_VALUE_DEPTH 32 /* otlp.MAX_VALUE_DEPTH: array/kvlist levels of an AnyValue, a plain value being 1 */
 
 /* ---- wire format ------------------------------------------------------------------------------- */
 
@@ -769,13 +774,20 @@ static Py_ssize_t kv_find(const KvStack *s, size_t base, const char *key)
 typedef struct {
     const uint8_t *base;
     KvStack kvs;
+    int too_deep; /* the Python error set is the RecursionError of a value nested too deep */
 } Ctx;
 
-static int emit_object(Ctx *c, Buf *out, size_t base);
+static int emit_object(Ctx *c, Buf *out, size_t base, int depth);
 
-static int emit_any(Ctx *c, Buf *out, AnyIter src)
+/* The JSON of an AnyValue at level `depth` (an attribute's value is level 1). */
+static int emit_any(Ctx *c, Buf *out, AnyIter src, int depth)
 {
     AnyInfo info;
+    if (depth > MAX_VALUE_DEPTH) {
+        c->too_deep = 1;
+        PyErr_Format(PyExc_RecursionError, "the value at byte %zd", (Py_ssize_t)(src.outer.p - c->base));
+        return -1;
+    }
     if (resolve_any(src, &info) < 0)
         return -1;
     const Field *f = &info.last;
@@ -797,7 +809,7 @@ static int emit_any(Ctx *c, Buf *out, AnyIter src)
             return -1;
         while ((rc = elem_next(&it, &elem)) > 0) {
             if ((n++ && buf_putc(out, ',') < 0) ||
-                emit_any(c, out, any_iter(c->base, elem.data, elem.data + elem.len, 0)) < 0)
+                emit_any(c, out, any_iter(c->base, elem.data, elem.data + elem.len, 0), depth + 1) < 0)
                 return -1;
         }
         return rc < 0 ? -1 : buf_putc(out, ']');
@@ -811,7 +823,7 @@ static int emit_any(Ctx *c, Buf *out, AnyIter src)
             if (kv_push(&c->kvs, c->base, &elem) < 0)
                 return -1;
         if (rc == 0)
-            rc = emit_object(c, out, base);
+            rc = emit_object(c, out, base, depth + 1);
         c->kvs.len = base;
         return rc;
     }
@@ -819,8 +831,20 @@ static int emit_any(Ctx *c, Buf *out, AnyIter src)
     }
 }
 
-/* The JSON object of the key/values c->kvs[base:] (duplicate keys as in a Python dict). */
-static int emit_object(Ctx *c, Buf *out, size_t base)
+/* A value under attribute kv nests too deep: name the attribute (the outermost one names it last). */
+static void name_too_deep(const KeyValue *kv)
+{
+    PyErr_Clear();
+    PyObject *key = utf8_str(kv->key, kv->key_len);
+    if (key) {
+        PyErr_Format(PyExc_RecursionError, "attribute %R", key);
+        Py_DECREF(key);
+    }
+}
+
+/* The JSON object of the key/values c->kvs[base:] (duplicate keys as in a Python dict), their values at
+ * level `depth`. */
+static int emit_object(Ctx *c, Buf *out, size_t base, int depth)
 {
     size_t n = c->kvs.len - base, small[32];
     size_t *order = n <= 32 ? small : PyMem_Malloc(n * sizeof(size_t));
@@ -833,8 +857,11 @@ static int emit_object(Ctx *c, Buf *out, size_t base)
     for (Py_ssize_t k = 0; rc == 0 && k < m; k++) {
         KeyValue kv = c->kvs.items[base + order[k]]; /* a copy: nested lists may move the stack */
         if ((k && buf_putc(out, ',') < 0) || put_json_str(out, kv.key, kv.key_len) < 0 ||
-            buf_putc(out, ':') < 0 || emit_any(c, out, any_iter(c->base, kv.start, kv.end, 2)) < 0)
+            buf_putc(out, ':') < 0 || emit_any(c, out, any_iter(c->base, kv.start, kv.end, 2), depth) < 0) {
             rc = -1;
+            if (c->too_deep)
+                name_too_deep(&kv);
+        }
     }
     if (order != small)
         PyMem_Free(order);
@@ -972,6 +999,8 @@ typedef struct {
     int32_t kind, status_code;
     uint64_t start, end, flags;
     size_t n_events, n_links;
+    Field bad_link_id;                       /* the first invalid id of a link, */
+    const char *bad_link_what, *bad_link_rule; /* which one it is (NULL: every link is valid) and its rule */
 } Span;
 
 static PyObject *enum_name(int32_t value, const char *const *names, int n_names)
@@ -996,6 +1025,9 @@ static int valid_id(const Field *id, size_t n_bytes)
     return 0;
 }
 
+#define TRACE_ID_RULE "32 hex digits (16 bytes), not all zero" /* otlp._ID_RULE */
+#define SPAN_ID_RULE "16 hex digits (8 bytes), not all zero"
+
 /* {"time_ns": ..., "name": ..., "attributes": {...}} appended to the JSON array d->events. */
 static int emit_event(Decoder *d, const Field *event, size_t n_before)
 {
@@ -1019,14 +1051,16 @@ static int emit_event(Decoder *d, const Field *event, size_t n_before)
         rc = buf_putc(out, n_before ? ',' : '[') < 0 || buf_put(out, "{\"time_ns\":", 11) < 0 ||
              put_uint(out, time_ns) < 0 || buf_put(out, ",\"name\":", 8) < 0 ||
              put_json_str(out, name.data, name.len) < 0 || buf_put(out, ",\"attributes\":", 14) < 0 ||
-             emit_object(&d->ctx, out, base) < 0 || buf_putc(out, '}') < 0 ? -1 : 0;
+             emit_object(&d->ctx, out, base, 1) < 0 || buf_putc(out, '}') < 0 ? -1 : 0;
     d->ctx.kvs.len = base;
     return rc;
 }
 
-/* {"trace_id": hex, "span_id": hex, "trace_state": ..., "attributes": {...}} appended to d->links. */
-static int emit_link(Decoder *d, const Field *link, size_t n_before)
+/* {"trace_id": hex, "span_id": hex, "trace_state": ..., "attributes": {...}} appended to d->links; the
+ * first invalid link id is noted in s. */
+static int emit_link(Decoder *d, const Field *link, Span *s)
 {
+    size_t n_before = s->n_links++;
     Reader r = {link->data, link->data + link->len, d->ctx.base};
     Field f, trace_id = {0}, span_id = {0}, trace_state = {0};
     size_t base = d->ctx.kvs.len;
@@ -1043,13 +1077,22 @@ static int emit_link(Decoder *d, const Field *link, size_t n_before)
         if (rc < 0)
             break;
     }
+    if (rc == 0 && !s->bad_link_what && !valid_id(&trace_id, 16)) {
+        s->bad_link_what = "link trace id";
+        s->bad_link_rule = TRACE_ID_RULE;
+        s->bad_link_id = trace_id;
+    } else if (rc == 0 && !s->bad_link_what && !valid_id(&span_id, 8)) {
+        s->bad_link_what = "link span id";
+        s->bad_link_rule = SPAN_ID_RULE;
+        s->bad_link_id = span_id;
+    }
     Buf *out = &d->links;
     if (rc == 0)
         rc = buf_putc(out, n_before ? ',' : '[') < 0 || buf_put(out, "{\"trace_id\":", 12) < 0 ||
              put_hex(out, trace_id.data, trace_id.len) < 0 || buf_put(out, ",\"span_id\":", 11) < 0 ||
              put_hex(out, span_id.data, span_id.len) < 0 || buf_put(out, ",\"trace_state\":", 15) < 0 ||
              put_json_str(out, trace_state.data, trace_state.len) < 0 ||
-             buf_put(out, ",\"attributes\":", 14) < 0 || emit_object(&d->ctx, out, base) < 0 ||
+             buf_put(out, ",\"attributes\":", 14) < 0 || emit_object(&d->ctx, out, base, 1) < 0 ||
              buf_putc(out, '}') < 0 ? -1 : 0;
     d->ctx.kvs.len = base;
     return rc;
@@ -1085,7 +1128,7 @@ static int read_span(Decoder *d, const Field *span, Span *s)
             case 5: s->name = f; break;
             case 9: rc = kv_push(&d->ctx.kvs, d->ctx.base, &f); break;
             case 11: rc = emit_event(d, &f, s->n_events++); break;
-            case 13: rc = emit_link(d, &f, s->n_links++); break;
+            case 13: rc = emit_link(d, &f, s); break;
             case 15: rc = read_status(d, &f, s); break;
             }
         } else if (is_field(&f, 6, WT_VARINT)) {
@@ -1251,9 +1294,6 @@ static int add_row(Decoder *d, const Span *s, size_t base, const Resource *res, 
 {
     PyObject *row[N_COLS] = {NULL};
     int rc = 0;
-    d->attrs.len = 0;
-    if (emit_object(&d->ctx, &d->attrs, base) < 0)
-        return -1;
     promote(d, base, res, row);
     row[C_TRACE_ID] = hex_str(s->trace_id.data, s->trace_id.len);
     row[C_SPAN_ID] = hex_str(s->span_id.data, s->span_id.len);
@@ -1291,11 +1331,19 @@ static int decode_span(Decoder *d, const Field *span, const Resource *res, PyObj
     size_t base = d->ctx.kvs.len;
     d->events.len = d->links.len = 0;
     int rc = read_span(d, span, &s);
+    d->attrs.len = 0;
+    /* The attributes first, as the reference builds them before it looks at the ids. */
+    if (rc == 0)
+        rc = emit_object(&d->ctx, &d->attrs, base, 1);
     if (rc == 0) {
         if (!valid_id(&s.trace_id, 16))
-            rc = reject(d, &s, &s.trace_id, "trace id", "16 non-zero bytes");
+            rc = reject(d, &s, &s.trace_id, "trace id", TRACE_ID_RULE);
         else if (!valid_id(&s.span_id, 8))
-            rc = reject(d, &s, &s.span_id, "span id", "8 non-zero bytes");
+            rc = reject(d, &s, &s.span_id, "span id", SPAN_ID_RULE);
+        else if (s.parent.len && !valid_id(&s.parent, 8))
+            rc = reject(d, &s, &s.parent, "parent span id", SPAN_ID_RULE);
+        else if (s.bad_link_what)
+            rc = reject(d, &s, &s.bad_link_id, s.bad_link_what, s.bad_link_rule);
         else
             rc = add_row(d, &s, base, res, scope_name, scope_version);
     }
@@ -1354,7 +1402,7 @@ static int read_resource(Decoder *d, const Field *resource_spans, Resource *res)
             return -1;
     }
     d->attrs.len = 0;
-    if (rc < 0 || emit_object(c, &d->attrs, base) < 0 || !(res->json = buf_to_str(&d->attrs)))
+    if (rc < 0 || emit_object(c, &d->attrs, base, 1) < 0 || !(res->json = buf_to_str(&d->attrs)))
         return -1;
     res->service_name = as_str(attr_get(c, base, "service.name", NULL));
     res->rollout_id = as_str(attr_get(c, base, "lightning.rollout.id", NULL));
@@ -1435,7 +1483,8 @@ static PyMethodDef METHODS[] = {
     {"decode_traces", decode_traces, METH_VARARGS,
      "decode_traces(body, received_ns) -> (columns, rejected, errors)\n\n"
      "Decode a protobuf ExportTraceServiceRequest into the span store's columns, exactly as\n"
-     "otlp.decode_traces_protobuf_python does. Raises ValueError on a malformed body."},
+     "otlp.decode_traces_protobuf_python does. Raises ValueError on a malformed body, RecursionError\n"
+     "naming the attribute on a value nested more than otlp.MAX_VALUE_DEPTH levels."},
     {NULL, NULL, 0, NULL},
 };
 

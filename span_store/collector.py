@@ -138,6 +138,11 @@ def _media_type(header: str | None) -> str:
 
 
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body as sent before compression, at most `limit` bytes of it.
+
+    gzip: every member in turn. A gzip body may be several members (RFC 1952 section 2.2; proxies that
+    compress in chunks send them), and their data concatenate. deflate: one zlib stream. Bytes after the last
+    complete stream are refused: a 200 would acknowledge data that was never read."""
     encoding = encoding.strip().lower()
     if encoding in ("", "identity"):
         return body
@@ -145,17 +150,41 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
         raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                            f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
-    inflater = zlib.decompressobj(wbits)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"body is not valid {encoding} data: {exc}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                           f"body is over the {limit}-byte limit once decompressed; send smaller batches")
-    if not inflater.eof:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"body is truncated {encoding} data")
-    return out
+    view, parts, size, pos = memoryview(body), [], 0, 0
+    while True:  # one member per turn
+        inflater, chunk = zlib.decompressobj(wbits), 512
+        while not inflater.eof:
+            if pos == len(body):
+                stops = "the stream" if not parts else f"member {len(parts) + 1}"
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"body is truncated {encoding} data (it stops inside "
+                                                           f"{stops})")
+            # zlib copies what follows a member's end (unused_data): input handed over in growing chunks keeps
+            # that copy about the size of the member, so a body of many tiny members costs linear time.
+            data, chunk = view[pos:pos + chunk], min(2 * chunk, 1 << 20)
+            try:
+                out = inflater.decompress(data, limit - size + 1)  # never 0, which would mean no limit
+            except zlib.error as exc:
+                raise RequestError(HTTPStatus.BAD_REQUEST, _damage(encoding, len(parts), pos, exc)) from None
+            pos += len(data)
+            size += len(out)
+            if size > limit:
+                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                   f"body is over the {limit}-byte limit once decompressed; send smaller batches")
+            parts.append(out)
+        pos -= len(inflater.unused_data)
+        if pos == len(body):
+            return b"".join(parts)
+        if encoding == "deflate":
+            raise RequestError(HTTPStatus.BAD_REQUEST,
+                               f"{len(body) - pos} bytes follow the end of the deflate (zlib) stream at byte {pos}; "
+                               f"send one stream and nothing after it")
+
+
+def _damage(encoding: str, members: int, at: int, exc: zlib.error) -> str:
+    if not members:
+        return f"body is not valid {encoding} data: {exc}"
+    return (f"the bytes after gzip member {members} (from about byte {at}) are not another gzip member ({exc}); "
+            f"send whole gzip members and nothing after them")
 
 
 class Collector:

@@ -72,6 +72,12 @@ LOG_SCHEMA = pa.schema([
 ])
 
 INT64_MAX = 2**63 - 1
+# arrayValue/kvlistValue levels an attribute value or log body may have (a plain value is level 1). Protobuf's
+# own parser stops at 100 nested messages and a kvlist level costs 3 of them (AnyValue, KeyValueList, KeyValue):
+# 32 levels is the most every place a value can sit holds, so JSON is held to the same and both accept alike.
+MAX_VALUE_DEPTH = 32
+# protobuf's parser says only "Error parsing message", for damage and for nesting past its limit alike.
+UPB_HINT = " (damaged, or messages nested deeper than 100 levels)"
 
 
 @dataclass
@@ -111,16 +117,30 @@ def _clamp_ns(value: int) -> int:
     return value if value <= INT64_MAX else INT64_MAX
 
 
+class ValueTooDeep(DecodeFailure):
+    """An AnyValue nested deeper than MAX_VALUE_DEPTH; `where` is set by the outermost attribute list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where = "a value"
+
+    def __str__(self) -> str:
+        return (f"{self.where} nests arrayValue/kvlistValue more than {MAX_VALUE_DEPTH} levels deep; "
+                f"flatten it, or send it as a JSON string")
+
+
 # ---- protobuf AnyValue -----------------------------------------------------------------------------
 
-def _pb_value(value: Any) -> Any:
+def _pb_value(value: Any, depth: int = 1) -> Any:
+    if depth > MAX_VALUE_DEPTH:
+        raise ValueTooDeep
     kind = value.WhichOneof("value")
     if kind is None:
         return None
     if kind == "array_value":
-        return [_pb_value(item) for item in value.array_value.values]
+        return [_pb_value(item, depth + 1) for item in value.array_value.values]
     if kind == "kvlist_value":
-        return {kv.key: _pb_value(kv.value) for kv in value.kvlist_value.values}
+        return _pb_attrs(value.kvlist_value.values, depth + 1)
     if kind == "bytes_value":
         return base64.b64encode(value.bytes_value).decode()
     return getattr(value, kind)
@@ -129,13 +149,20 @@ def _pb_value(value: Any) -> Any:
 _SCALAR_KINDS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
 
 
-def _pb_attrs(key_values: Any) -> dict[str, Any]:
+def _pb_attrs(key_values: Any, depth: int = 1) -> dict[str, Any]:
     # The hot loop of ingest: scalars inline, one call fewer per attribute than _pb_value.
     out = {}
-    for kv in key_values:
-        value = kv.value
-        kind = value.WhichOneof("value")
-        out[kv.key] = getattr(value, kind) if kind in _SCALAR_KINDS else _pb_value(value)
+    key = ""
+    try:
+        if depth > MAX_VALUE_DEPTH and key_values:
+            raise ValueTooDeep
+        for kv in key_values:
+            key, value = kv.key, kv.value
+            kind = value.WhichOneof("value")
+            out[key] = getattr(value, kind) if kind in _SCALAR_KINDS else _pb_value(value, depth)
+    except ValueTooDeep as exc:
+        exc.where = f"attribute {key!r}"  # the outermost list sets it last
+        raise
     return out
 
 
@@ -149,7 +176,9 @@ def _get(obj: dict, camel: str, snake: str | None = None, default: Any = None) -
     return default
 
 
-def _js_value(value: Any) -> Any:
+def _js_value(value: Any, depth: int = 1) -> Any:
+    if depth > MAX_VALUE_DEPTH:
+        raise ValueTooDeep
     if not isinstance(value, dict):
         raise DecodeFailure(f"an attribute value must be an AnyValue object, got {type(value).__name__}")
     for key, snake in (("stringValue", "string_value"), ("boolValue", "bool_value")):
@@ -168,15 +197,17 @@ def _js_value(value: Any) -> Any:
             raise DecodeFailure(f"doubleValue {raw!r} is not a number") from None
     if "arrayValue" in value or "array_value" in value:
         items = _get(_get(value, "arrayValue", "array_value") or {}, "values", default=[]) or []
-        return [_js_value(item) for item in items]
+        if not isinstance(items, list):
+            raise DecodeFailure("arrayValue 'values' must be a list")
+        return [_js_value(item, depth + 1) for item in items]
     if "kvlistValue" in value or "kvlist_value" in value:
-        return _js_attrs(_get(_get(value, "kvlistValue", "kvlist_value") or {}, "values", default=[]))
+        return _js_attrs(_get(_get(value, "kvlistValue", "kvlist_value") or {}, "values", default=[]), depth + 1)
     if "bytesValue" in value or "bytes_value" in value:
         return _get(value, "bytesValue", "bytes_value")
     return None
 
 
-def _js_attrs(key_values: Any) -> dict[str, Any]:
+def _js_attrs(key_values: Any, depth: int = 1) -> dict[str, Any]:
     if key_values is None:
         return {}
     if not isinstance(key_values, list):
@@ -186,16 +217,38 @@ def _js_attrs(key_values: Any) -> dict[str, Any]:
         # proto3 JSON omits default values, so a missing key is the empty string.
         if not isinstance(kv, dict) or not isinstance(kv.get("key", ""), str):
             raise DecodeFailure("each attribute must be an object with a string 'key'")
-        out[kv.get("key", "")] = _js_value(kv.get("value", {}))
+        key = kv.get("key", "")
+        try:
+            out[key] = _js_value(kv.get("value", {}), depth)
+        except ValueTooDeep as exc:
+            exc.where = f"attribute {key!r}"  # the outermost list sets it last
+            raise
     return out
 
 
-def _js_hex_id(value: Any, what: str) -> str:
-    if value in (None, ""):
+def _js_id(value: Any, what: str) -> str:
+    """An id as sent; whether it is a valid one is up to the row builder (it rejects that record alone)."""
+    if value is None:
         return ""
     if not isinstance(value, str):
-        raise DecodeFailure(f"{what} must be a hex string, got {type(value).__name__}")
-    return value.lower()
+        raise DecodeFailure(f"{what} must be a string of hex digits, got {type(value).__name__}")
+    return value
+
+
+def _js_body(value: Any) -> Any:
+    try:
+        return None if value is None else _js_value(value)
+    except ValueTooDeep as exc:
+        exc.where = "a log record body"
+        raise
+
+
+def _pb_body(value: Any) -> Any:
+    try:
+        return _pb_value(value)
+    except ValueTooDeep as exc:
+        exc.where = "a log record body"
+        raise
 
 
 def _js_list(obj: dict, camel: str, snake: str, what: str) -> list:
@@ -242,14 +295,24 @@ def _js_time(value: Any, what: str) -> int:
 
 # ---- shared row building ---------------------------------------------------------------------------
 
-def _valid_id(hex_id: str, length: int) -> bool:
-    if len(hex_id) != length or hex_id == "0" * length:
-        return False
-    try:
-        int(hex_id, 16)
-    except ValueError:
-        return False
-    return True
+_HEX_ID = {n: re.compile(f"[0-9a-fA-F]{{{n}}}") for n in (16, 32)}
+_ID_RULE = {32: "32 hex digits (16 bytes), not all zero", 16: "16 hex digits (8 bytes), not all zero"}
+
+
+def _valid_id(value: str, length: int) -> bool:
+    """An OTLP id: exactly `length` ASCII hex digits (either case; no sign, space, 0x or _), not all zero.
+    Protobuf ids arrive as bytes.hex(), so one rule covers both encodings."""
+    return _HEX_ID[length].fullmatch(value) is not None and value.strip("0") != ""
+
+
+def _id_problem(ids: tuple[tuple[str, str, int, bool], ...]) -> str | None:
+    """The first of (what, value, length, may_be_empty) that is not a valid id, as an error message part."""
+    for what, value, length, may_be_empty in ids:
+        if may_be_empty and not value:
+            continue
+        if not _valid_id(value, length):
+            return f"{what} {value!r} is not {_ID_RULE[length]}"
+    return None
 
 
 class _ResourceContext:
@@ -301,9 +364,12 @@ def _agent_name(name: str, operation: str | None, attrs: dict[str, Any]) -> str 
     return None
 
 
-class _SpanColumns:
-    def __init__(self) -> None:
-        self.columns: dict[str, list] = {name: [] for name in SPAN_SCHEMA.names}
+class _Columns:
+    """Rows of one table being built, and the records rejected on the way (OTLP partial success)."""
+
+    def __init__(self, schema: pa.Schema) -> None:
+        self.schema = schema
+        self.columns: dict[str, list] = {name: [] for name in schema.names}
         self.rejected = 0
         self.errors: list[str] = []
         self.received_ns = time.time_ns()
@@ -313,20 +379,33 @@ class _SpanColumns:
         if len(self.errors) < 20:
             self.errors.append(reason)
 
+    def result(self) -> Decoded:
+        return Decoded(pa.Table.from_pydict(self.columns, schema=self.schema), self.rejected, self.errors)
+
+
+class _SpanColumns(_Columns):
+    def __init__(self) -> None:
+        super().__init__(SPAN_SCHEMA)
+
     def add(self, trace_id: str, span_id: str, parent: str, trace_state: str, flags: int, name: str,
             kind: int, start: int, end: int, status_code: int, status_message: str,
             attrs: dict[str, Any], res: _ResourceContext, scope_name: str, scope_version: str,
             events: list, links: list) -> None:
-        if not _valid_id(trace_id, 32):
-            self.reject(f"span {name!r}: trace id {trace_id!r} is not 16 non-zero bytes")
+        """Ids as sent (hex text; protobuf bytes as .hex()): a span with an invalid one is rejected whole."""
+        ids = (("trace id", trace_id, 32, False), ("span id", span_id, 16, False),
+               ("parent span id", parent, 16, True))
+        for link in links:
+            ids += (("link trace id", link["trace_id"], 32, False), ("link span id", link["span_id"], 16, False))
+        problem = _id_problem(ids)
+        if problem is not None:
+            self.reject(f"span {name!r}: {problem}")
             return
-        if not _valid_id(span_id, 16):
-            self.reject(f"span {name!r}: span id {span_id!r} is not 8 non-zero bytes")
-            return
+        for link in links:
+            link["trace_id"], link["span_id"] = link["trace_id"].lower(), link["span_id"].lower()
         c = self.columns
-        c["trace_id"].append(trace_id)
-        c["span_id"].append(span_id)
-        c["parent_span_id"].append(parent or None)
+        c["trace_id"].append(trace_id.lower())
+        c["span_id"].append(span_id.lower())
+        c["parent_span_id"].append(parent.lower() if parent else None)
         c["trace_state"].append(trace_state or None)
         c["flags"].append(flags)
         c["name"].append(name)
@@ -354,10 +433,6 @@ class _SpanColumns:
         c["response_id"].append(_as_str(get("gen_ai.response.id")))
         c["agent_name"].append(_agent_name(name, c["operation_name"][-1], attrs))
 
-    def result(self) -> Decoded:
-        table = pa.Table.from_pydict(self.columns, schema=SPAN_SCHEMA)
-        return Decoded(table, self.rejected, self.errors)
-
 
 # ---- traces ----------------------------------------------------------------------------------------
 
@@ -369,6 +444,10 @@ def decode_traces_protobuf(body: bytes) -> Decoded:
         columns, rejected, errors = _otlp_fast.decode_traces(body, time.time_ns())
     except ValueError as exc:
         raise DecodeFailure(f"body is not a protobuf ExportTraceServiceRequest: {exc}") from None
+    except RecursionError as exc:  # the C decoder's ValueTooDeep; its message names the attribute
+        too_deep = ValueTooDeep()
+        too_deep.where = str(exc)
+        raise too_deep from None
     return Decoded(pa.Table.from_pydict(columns, schema=SPAN_SCHEMA), rejected, errors)
 
 
@@ -377,7 +456,7 @@ def decode_traces_protobuf_python(body: bytes) -> Decoded:
     try:
         request.ParseFromString(body)
     except (DecodeError, RuntimeError, ValueError) as exc:
-        raise DecodeFailure(f"body is not a protobuf ExportTraceServiceRequest: {exc}") from None
+        raise DecodeFailure(f"body is not a protobuf ExportTraceServiceRequest: {exc}{UPB_HINT}") from None
     out = _SpanColumns()
     for resource_spans in request.resource_spans:
         res = _ResourceContext(_pb_attrs(resource_spans.resource.attributes))
@@ -435,14 +514,14 @@ def decode_traces_json(body: bytes | dict) -> Decoded:
                            "name": str(e.get("name") or ""),
                            "attributes": _js_attrs(e.get("attributes"))}
                           for e in _js_list(s, "events", "events", "a span")]
-                links = [{"trace_id": _js_hex_id(_get(ln, "traceId", "trace_id"), "link traceId"),
-                          "span_id": _js_hex_id(_get(ln, "spanId", "span_id"), "link spanId"),
+                links = [{"trace_id": _js_id(_get(ln, "traceId", "trace_id"), "link traceId"),
+                          "span_id": _js_id(_get(ln, "spanId", "span_id"), "link spanId"),
                           "trace_state": str(_get(ln, "traceState", "trace_state") or ""),
                           "attributes": _js_attrs(ln.get("attributes"))}
                          for ln in _js_list(s, "links", "links", "a span")]
-                out.add(_js_hex_id(_get(s, "traceId", "trace_id"), "traceId"),
-                        _js_hex_id(_get(s, "spanId", "span_id"), "spanId"),
-                        _js_hex_id(_get(s, "parentSpanId", "parent_span_id"), "parentSpanId"),
+                out.add(_js_id(_get(s, "traceId", "trace_id"), "traceId"),
+                        _js_id(_get(s, "spanId", "span_id"), "spanId"),
+                        _js_id(_get(s, "parentSpanId", "parent_span_id"), "parentSpanId"),
                         str(_get(s, "traceState", "trace_state") or ""),
                         _as_int(s.get("flags")) or 0,
                         str(s.get("name") or ""),
@@ -457,14 +536,19 @@ def decode_traces_json(body: bytes | dict) -> Decoded:
 
 # ---- logs ------------------------------------------------------------------------------------------
 
-class _LogColumns:
+class _LogColumns(_Columns):
     def __init__(self) -> None:
-        self.columns: dict[str, list] = {name: [] for name in LOG_SCHEMA.names}
-        self.received_ns = time.time_ns()
+        super().__init__(LOG_SCHEMA)
 
     def add(self, time_ns: int, observed_ns: int, severity_number: int, severity_text: str, event_name: str,
             body: Any, attrs: dict[str, Any], res: _ResourceContext, scope_name: str, scope_version: str,
             trace_id: str, span_id: str, flags: int) -> None:
+        """trace_id and span_id may be empty (a log outside any span); a record with an invalid one is rejected."""
+        problem = _id_problem((("trace id", trace_id, 32, True), ("span id", span_id, 16, True)))
+        if problem is not None:
+            self.reject(f"log record at {time_ns}: {problem}")
+            return
+        trace_id, span_id = trace_id.lower(), span_id.lower()
         c = self.columns
         body_json = _dumps(body)
         attrs_json = _dumps(attrs)
@@ -489,8 +573,6 @@ class _LogColumns:
         _append_identity(c, attrs, res)
         c["received_ns"].append(self.received_ns)
 
-    def result(self) -> Decoded:
-        return Decoded(pa.Table.from_pydict(self.columns, schema=LOG_SCHEMA))
 
 
 def decode_logs_protobuf(body: bytes) -> Decoded:
@@ -498,14 +580,14 @@ def decode_logs_protobuf(body: bytes) -> Decoded:
     try:
         request.ParseFromString(body)
     except (DecodeError, RuntimeError, ValueError) as exc:
-        raise DecodeFailure(f"body is not a protobuf ExportLogsServiceRequest: {exc}") from None
+        raise DecodeFailure(f"body is not a protobuf ExportLogsServiceRequest: {exc}{UPB_HINT}") from None
     out = _LogColumns()
     for resource_logs in request.resource_logs:
         res = _ResourceContext(_pb_attrs(resource_logs.resource.attributes))
         for scope_logs in resource_logs.scope_logs:
             for r in scope_logs.log_records:
                 out.add(r.time_unix_nano, r.observed_time_unix_nano, r.severity_number, r.severity_text,
-                        r.event_name, _pb_value(r.body), _pb_attrs(r.attributes), res, scope_logs.scope.name,
+                        r.event_name, _pb_body(r.body), _pb_attrs(r.attributes), res, scope_logs.scope.name,
                         scope_logs.scope.version, r.trace_id.hex(), r.span_id.hex(), r.flags)
     return out.result()
 
@@ -518,16 +600,15 @@ def decode_logs_json(body: bytes | dict) -> Decoded:
         for scope_block in _js_list(block, "scopeLogs", "scope_logs", "resourceLogs"):
             scope_name, scope_version = _js_scope(scope_block)
             for r in _js_list(scope_block, "logRecords", "log_records", "scopeLogs"):
-                body_value = r.get("body")
                 out.add(_js_time(_get(r, "timeUnixNano", "time_unix_nano"), "timeUnixNano"),
                         _js_time(_get(r, "observedTimeUnixNano", "observed_time_unix_nano"), "observedTimeUnixNano"),
                         _js_enum(_get(r, "severityNumber", "severity_number"), (), "", "severityNumber"),
                         str(_get(r, "severityText", "severity_text") or ""),
                         str(_get(r, "eventName", "event_name") or ""),
-                        None if body_value is None else _js_value(body_value),
+                        _js_body(r.get("body")),
                         _js_attrs(r.get("attributes")), res, scope_name, scope_version,
-                        _js_hex_id(_get(r, "traceId", "trace_id"), "traceId"),
-                        _js_hex_id(_get(r, "spanId", "span_id"), "spanId"),
+                        _js_id(_get(r, "traceId", "trace_id"), "traceId"),
+                        _js_id(_get(r, "spanId", "span_id"), "spanId"),
                         _as_int(r.get("flags")) or 0)
     return out.result()
 
