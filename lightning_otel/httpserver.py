@@ -4,7 +4,8 @@ IPv6 binding, quiet logging, bounded body draining, and bounds on slow clients (
 Slow clients: every read of a request waits at most `read_timeout_s`, the whole request (line, headers,
 body) must arrive within `request_timeout_s`, and a kept-alive connection may wait `idle_timeout_s` for its
 next request. A client too slow mid-request gets 408 and the connection closes; an idle one is closed. The
-clocks run only while a request is received: answers (SSE streams, Arrow query results) are never cut.
+clocks run only while a request is received: answers (SSE streams, Arrow query results) are not cut by
+them (the collector gives query answers a send timeout of their own).
 At most `max_connections` connections get a thread; the ones over it get 503 at once. Kept light: the
 stdlib only.
 
@@ -12,9 +13,10 @@ Framing (RFC 9112 section 6), checked once the headers are in and before any rou
 here reads a body the same way and a proxy in front cannot be made to see another request boundary than we
 do: a body is framed by one Content-Length of plain ASCII digits, or there is none. Refused with 400 and a
 closed connection: two Content-Length fields (even equal ones) or a list in one, a value that is not plain
-digits (`+5`, `1_0`, non-ASCII digits), Transfer-Encoding with Content-Length. Transfer-Encoding alone (chunked
-or any other coding) gets 411: the servers do not implement it, and the client can send Content-Length. A
-body a route leaves unread closes the connection, so its bytes are never parsed as a next request.
+digits (`+5`, `1_0`, non-ASCII digits, a value folded onto a next line), Transfer-Encoding with
+Content-Length. Transfer-Encoding alone (chunked or any other coding) gets 411: the servers do not implement
+it, and the client can send Content-Length. A body a route leaves unread closes the connection, so its bytes
+are never parsed as a next request.
 """
 from __future__ import annotations
 
@@ -130,7 +132,8 @@ def body_length(content_length: list[str], transfer_encoding: list[str]) -> int 
     if len(content_length) > 1 or "," in content_length[0]:
         raise FramingError(400, f"the request has {len(content_length)} Content-Length fields "
                                 f"({', '.join(repr(v) for v in content_length)}); send exactly one")
-    value = content_length[0].strip(" \t")
+    # The header parser drops the spaces after the colon; one left in front came from a folded line (obs-fold).
+    value = content_length[0].rstrip(" \t")
     if not _DIGITS.fullmatch(value):
         raise FramingError(400, f"Content-Length {content_length[0]!r} is not a size: give plain ASCII digits")
     return int(value)
