@@ -394,7 +394,10 @@ class _Handler(KeepAliveHandler):
             release = collector.take_slot(path, authorization)
         except RequestError as err:
             self.close_connection = True
-            self._send_error(err, as_protobuf)
+            try:
+                self._send_error(err, as_protobuf)
+            except OSError:
+                return  # the client went away
             return self.refuse_and_close()
         try:
             self._route_post(path, as_protobuf)
