@@ -268,7 +268,7 @@ class Collector:
             return lambda: None  # no such route: answered 404 at once
         key = None
         if role == "query":
-            key = (header or "").strip()
+            key = (header or "").strip().partition(" ")[2].strip()  # the token, however the scheme is spelt
             with self._queries_lock:
                 running = self._queries_per_token.get(key, 0)
                 if running >= self.config.max_queries_per_token:
