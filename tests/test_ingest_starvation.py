@@ -170,3 +170,21 @@ def test_query_clients_that_never_read_never_hold_ingest_nor_their_slots(guarded
     # slots started only because the server cut the unread ones (query_send_timeout_s) and freed their slots.
     started = [a for a in attack.answers if a.startswith(b"HTTP/1.1 200")]
     assert len(started) >= 4, attack.answers
+
+
+def test_a_commands_concurrent_queries_wait_their_turn(make_collector, db_path):
+    """The client library waits out 429/503 (Retry-After), so one program's threads sharing a token all get
+    their answers even past max_queries_per_token."""
+    make_collector(**TOKENS, max_queries_per_token=1)
+    answers: list[int] = []
+
+    def one() -> None:
+        sql = "SELECT count(*) AS n FROM range(8000) a, range(8000) b"
+        answers.append(client.query(sql, db_path)["n"][0])
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert answers == [64_000_000] * 4
