@@ -4,14 +4,25 @@ IPv6 binding, quiet logging, bounded body draining, and bounds on slow clients (
 Slow clients: every read of a request waits at most `read_timeout_s`, the whole request (line, headers,
 body) must arrive within `request_timeout_s`, and a kept-alive connection may wait `idle_timeout_s` for its
 next request. A client too slow mid-request gets 408 and the connection closes; an idle one is closed. The
-clocks run only while a request is received: answers (SSE streams, Arrow query results) are never cut.
+clocks run only while a request is received: answers (SSE streams, Arrow query results) are not cut by
+them (the collector gives query answers a send timeout of their own).
 At most `max_connections` connections get a thread; the ones over it get 503 at once. Kept light: the
 stdlib only.
+
+Framing (RFC 9112 section 6), checked once the headers are in and before any route runs, so every server
+here reads a body the same way and a proxy in front cannot be made to see another request boundary than we
+do: a body is framed by one Content-Length of plain ASCII digits, or there is none. Refused with 400 and a
+closed connection: two Content-Length fields (even equal ones) or a list in one, a value that is not plain
+digits (`+5`, `1_0`, non-ASCII digits, a value folded onto a next line), Transfer-Encoding with
+Content-Length. Transfer-Encoding alone (chunked or any other coding) gets 411: the servers do not implement
+it, and the client can send Content-Length. A body a route leaves unread closes the connection, so its bytes
+are never parsed as a next request.
 """
 from __future__ import annotations
 
 import io
 import logging
+import re
 import socket
 import threading
 import time
@@ -26,6 +37,7 @@ log = logging.getLogger(__name__)
 # How long the server keeps reading (and dropping) what a refused or timed-out client still sends after
 # the answer, so that closing with unread bytes does not reset the connection before the answer is read.
 LINGER_S = 1.0
+_DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit takes '٣'); 18 keep int() cheap
 
 
 @dataclass
@@ -97,6 +109,49 @@ class _TimedReader(io.RawIOBase):
         return n
 
 
+class FramingError(ValueError):
+    """A request whose body length cannot be known without guessing (RFC 9112 section 6)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def body_length(content_length: list[str], transfer_encoding: list[str]) -> int | None:
+    """The body length the request's framing headers (every field of each name) give; None: no body.
+
+    Raises FramingError for framing this server refuses, with the status to answer."""
+    if transfer_encoding:
+        if content_length:
+            raise FramingError(400, "the request has both Transfer-Encoding and Content-Length; send Content-Length "
+                                    "only (a proxy could read the body's end differently)")
+        codings = ", ".join(value.strip() for value in transfer_encoding)
+        raise FramingError(411, f"Transfer-Encoding {codings!r} is not accepted; send the body with Content-Length")
+    if not content_length:
+        return None
+    if len(content_length) > 1 or "," in content_length[0]:
+        raise FramingError(400, f"the request has {len(content_length)} Content-Length fields "
+                                f"({', '.join(repr(v) for v in content_length)}); send exactly one")
+    # The header parser drops the spaces after the colon; one left in front came from a folded line (obs-fold).
+    value = content_length[0].rstrip(" \t")
+    if not _DIGITS.fullmatch(value):
+        raise FramingError(400, f"Content-Length {content_length[0]!r} is not a size: give plain ASCII digits")
+    return int(value)
+
+
+def _linger(sock: socket.socket, deadline: float) -> None:
+    """Half-close, then drop what the client still sends until `deadline`: closing with unread bytes would reset
+    the connection before the client read its answer."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(1 << 16):
+                break
+    except OSError:
+        pass  # the client went away: nothing left to tell it
+
+
 def _answer_and_close(sock: socket.socket, status: bytes, message: str, extra_headers: bytes = b"") -> None:
     """Send a last plain-text answer, half-close, and drop what the client still sends for up to LINGER_S."""
     body = message.encode() + b"\n"
@@ -106,13 +161,9 @@ def _answer_and_close(sock: socket.socket, status: bytes, message: str, extra_he
     try:
         sock.settimeout(LINGER_S)
         sock.sendall(head + body)
-        sock.shutdown(socket.SHUT_WR)
-        while (left := deadline - time.monotonic()) > 0:
-            sock.settimeout(left)
-            if not sock.recv(1 << 16):
-                break
     except OSError:
-        pass  # the client went away: nothing left to tell it
+        return  # the client went away: nothing left to tell it
+    _linger(sock, deadline)
 
 
 class LocalServer(ThreadingHTTPServer):
@@ -172,13 +223,48 @@ class KeepAliveHandler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self._answering = False
+        self.body_length: int | None = None  # from the framing headers, once they are checked
+        self._body_read = True
         try:
             super().handle_one_request()
         except _TooSlow as exc:
             self.close_connection = True
             self._close_too_slow(exc)
         else:
+            if not self._body_read:
+                self.close_connection = True  # its bytes must not be read as the next request
             self._reader.next_request()
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        try:
+            self.body_length = body_length(self.headers.get_all("Content-Length", []),
+                                           self.headers.get_all("Transfer-Encoding", []))
+        except FramingError as exc:
+            self.close_connection = True
+            log.info("%s: refusing %s %s: %s", self.address_string(), self.command, self.path, exc)
+            status = f"{exc.status} {'Bad Request' if exc.status == 400 else 'Length Required'}".encode()
+            _answer_and_close(self.connection, status, str(exc))
+            return False
+        self._body_read = not self.body_length
+        return True
+
+    def read_body(self) -> bytes:
+        """The request's body, `body_length` bytes (b"" when it has none); shorter when the client stopped."""
+        self._body_read = True
+        return self.rfile.read(self.body_length) if self.body_length else b""
+
+    def refuse_and_close(self) -> None:
+        """After an answer to a request whose body is left unread: half-close and drop what the client still
+        sends for up to LINGER_S (a refused client never gets more of the server's time than that)."""
+        self.close_connection = True
+        self._body_read = True
+        try:
+            self.wfile.flush()
+        except OSError:
+            return
+        _linger(self.connection, time.monotonic() + LINGER_S)
 
     def send_response_only(self, code: int, message: str | None = None) -> None:
         if code >= 200:  # not for "100 Continue": the body is still to be received
@@ -200,6 +286,7 @@ class KeepAliveHandler(BaseHTTPRequestHandler):
     def discard_body(self, length: int, limit: int) -> None:
         """Read and drop `length` bytes in small pieces, so a refused client still gets the answer on a
         usable connection; past `limit` the connection is closed instead of read."""
+        self._body_read = True
         if length > limit:
             self.close_connection = True
             return

@@ -6,6 +6,7 @@ Every function takes the DuckDB file path. When a live collector holds the file 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.span_store import discovery, otlp, otlp_files, store
 
 DEFAULT_TIMEOUT_S = 300.0
+BUSY_WAIT_S = 120.0  # how long a command keeps retrying while the collector answers busy (429/503 + Retry-After)
 
 
 def _request(info: discovery.CollectorInfo, path: str, body: bytes, content_type: str,
@@ -30,8 +32,18 @@ def _request(info: discovery.CollectorInfo, path: str, body: bytes, content_type
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(info.url + path, data=body, headers=headers, method="POST")
+    give_up = time.monotonic() + BUSY_WAIT_S
     try:
-        return urllib.request.urlopen(req, timeout=timeout)
+        while True:
+            try:
+                return urllib.request.urlopen(req, timeout=timeout)
+            except urllib.error.HTTPError as exc:
+                # The collector's slots for this role (or this token's share of queries) are taken: wait as told.
+                wait = _retry_after(exc)
+                if wait is None or time.monotonic() + wait > give_up:
+                    raise
+                exc.read()
+                time.sleep(wait)
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode("utf-8", errors="replace")
         try:
@@ -41,6 +53,16 @@ def _request(info: discovery.CollectorInfo, path: str, body: bytes, content_type
         raise UserError(f"collector at {info.url} refused {path}: {detail}") from None
     except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
         raise UserError(f"cannot reach the collector at {info.url} (pid {info.pid}): {exc}") from None
+
+
+def _retry_after(exc: urllib.error.HTTPError) -> float | None:
+    """Seconds to wait before sending again, for a busy answer (429, 503) that says how long; else None."""
+    if exc.code not in (429, 503):
+        return None
+    try:
+        return max(0.05, float(exc.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
 
 
 def sql_literal(value: str) -> str:

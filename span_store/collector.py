@@ -10,7 +10,13 @@ Endpoints                                                                       
 Each role has its own bearer token (`ingest_token`, `query_token`, `admin_token`; `token` is the one for every
 role not given its own) and the admin token grants every route. A role without a token is open. Agents are
 handed the ingest token only: they can send spans, but not read the store (their tasks' answers are in it)
-nor write records (their own rewards). A request without a known token gets 401, one with another role's 403.
+nor write records (their own rewards). A request without a known token gets 401, one with another role's 403;
+both before the collector reads its body or gives it a slot, and the connection is then closed.
+
+Capacity is per role, so that no other role can starve ingest: `max_inflight_requests` ingest requests,
+`max_concurrent_queries` queries (at most `max_queries_per_token` of one token: 429 past it) and
+`max_admin_requests` admin ones at a time; past a role's slots, 503 with Retry-After. A query runs at most
+`query_timeout_s`, and each piece of its answer must be taken by the client within `query_send_timeout_s`.
 
 Run it with `lightning-otel collect --db traces.duckdb`. It is the only process that holds the file.
 """
@@ -63,6 +69,12 @@ class CollectorConfig:
     max_inflight_requests: int = 32
     retry_after_s: int = 1
     query_timeout_s: float = 120.0
+    # Queries get slots of their own (ingest keeps max_inflight_requests whatever queries do), and one token
+    # (one caller) at most max_queries_per_token of them.
+    max_concurrent_queries: int = 4
+    max_queries_per_token: int = 2
+    max_admin_requests: int = 4
+    query_send_timeout_s: float = 30.0  # a client that does not read its answer is cut off after this
     memory_limit: str = "2GB"
     # A query's answer is held whole before it is sent (so a bound hit is a 413, not a cut stream).
     max_result_rows: int = 5_000_000
@@ -82,8 +94,13 @@ class CollectorConfig:
             raise UserError(f"--port {self.port} is not a TCP port (0-65535; 0 picks a free one)")
         if self.max_body_bytes < 1024:
             raise UserError(f"--max-body-bytes {self.max_body_bytes} is too small (at least 1024)")
-        if self.max_pending_rows < 1 or self.max_inflight_requests < 1:
-            raise UserError("max_pending_rows and max_inflight_requests must be positive")
+        for name in ("max_pending_rows", "max_inflight_requests", "max_concurrent_queries", "max_queries_per_token",
+                     "max_admin_requests"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number")
+        for name in ("query_timeout_s", "query_send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number of seconds")
         if self.max_result_rows < 1 or self.max_result_bytes < 1:
             raise UserError("--max-result-rows and --max-result-bytes must be positive")
         self.query_limits()  # sizes that do not parse fail here, not on the first query
@@ -198,7 +215,11 @@ class Collector:
                                  checkpoint_threshold=config.checkpoint_threshold, max_temp_size=config.max_temp_size)
         self.writer = BatchWriter(self.con, config.max_pending_rows)
         self.reader = store.Reader(self.con, timeout_s=config.query_timeout_s, limits=config.query_limits())
-        self._inflight = threading.BoundedSemaphore(config.max_inflight_requests)
+        self._slots = {"ingest": threading.BoundedSemaphore(config.max_inflight_requests),
+                       "query": threading.BoundedSemaphore(config.max_concurrent_queries),
+                       "admin": threading.BoundedSemaphore(config.max_admin_requests)}
+        self._queries_per_token: dict[str, int] = {}
+        self._queries_lock = threading.Lock()
         try:
             self.server = _Server((config.host, config.port), _Handler, self, config.connection_limits)
         except OSError as exc:
@@ -283,6 +304,46 @@ class Collector:
                            f"this is the {' and '.join(sorted(held))} token, which may not POST {path}: that needs "
                            f"{needed}, which only whoever started the collector holds (agents get the ingest token)")
 
+    def take_slot(self, path: str, header: str | None) -> Any:
+        """A slot of the route's role (released by calling what this returns), or RequestError: 429 when the
+        token runs max_queries_per_token queries already, 503 when the role's slots are all taken."""
+        role = discovery.ROUTE_ROLES.get(path)
+        if role is None:
+            return lambda: None  # no such route: answered 404 at once
+        key = None
+        if role == "query":
+            key = (header or "").strip().partition(" ")[2].strip()  # the token, however the scheme is spelt
+            with self._queries_lock:
+                running = self._queries_per_token.get(key, 0)
+                if running >= self.config.max_queries_per_token:
+                    raise RequestError(HTTPStatus.TOO_MANY_REQUESTS,
+                                       f"this token runs {running} queries already (max_queries_per_token); "
+                                       f"wait for one to finish", retry_after=self.config.retry_after_s)
+                self._queries_per_token[key] = running + 1
+        slots = self._slots[role]
+        if not slots.acquire(blocking=False):
+            self._end_query(key)
+            self.busy_answers += 1
+            limit = {"ingest": "max_inflight_requests", "query": "max_concurrent_queries",
+                     "admin": "max_admin_requests"}[role]
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"too many {role} requests in flight ({limit}); "
+                                                               f"retry shortly", retry_after=self.config.retry_after_s)
+
+        def release() -> None:
+            slots.release()
+            self._end_query(key)
+        return release
+
+    def _end_query(self, key: str | None) -> None:
+        if key is None:
+            return
+        with self._queries_lock:
+            left = self._queries_per_token[key] - 1
+            if left:
+                self._queries_per_token[key] = left
+            else:
+                del self._queries_per_token[key]
+
     def ingest(self, signal_name: str, encoding: str, body: bytes) -> otlp.Decoded:
         try:
             decoded = self.decoders.decode(signal_name, encoding, body)
@@ -347,21 +408,10 @@ class _Handler(KeepAliveHandler):
             self._send(err.status, body, "application/json", headers)
 
     def _read_body(self) -> bytes:
-        self._body_consumed = True
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            self.close_connection = True
-            raise RequestError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length")
-        length_header = self.headers.get("Content-Length")
-        if length_header is None:
+        length = self.body_length  # framing checked by KeepAliveHandler: one plain Content-Length, or none
+        if length is None:
             self.close_connection = True
             raise RequestError(HTTPStatus.LENGTH_REQUIRED, "Content-Length header is required")
-        try:
-            length = int(length_header)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"Content-Length {length_header!r} is not a size") from None
         limit = self.server.collector.config.max_body_bytes
         if length > limit:
             # Not reading a huge body means the connection cannot be reused.
@@ -369,7 +419,7 @@ class _Handler(KeepAliveHandler):
             raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                f"body of {length} bytes is over the {limit}-byte limit; send smaller batches "
                                f"(BatchSpanProcessor max_export_batch_size) or raise --max-body-bytes")
-        body = self.rfile.read(length)
+        body = self.read_body()
         if len(body) != length:
             self.close_connection = True
             raise RequestError(HTTPStatus.BAD_REQUEST, "body ended before Content-Length bytes arrived")
@@ -377,17 +427,29 @@ class _Handler(KeepAliveHandler):
 
     # -- routes --
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-        self._body_consumed = False
         path = self.path.split("?", 1)[0]
         as_protobuf = _media_type(self.headers.get("Content-Type")) == "application/x-protobuf"
         collector = self.server.collector
-        if not collector._inflight.acquire(blocking=False):
-            collector.busy_answers += 1
-            self._drain()
-            return self._send_error(RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "too many requests in flight",
-                                                 retry_after=collector.config.retry_after_s), as_protobuf)
+        authorization = self.headers.get("Authorization")
         try:
-            collector.authorize(path, self.headers.get("Authorization"))
+            # Credentials first, before a slot is taken or a byte of the body read: a client without them gets
+            # its answer and the connection closes, whatever it still sends.
+            collector.authorize(path, authorization)
+            release = collector.take_slot(path, authorization)
+        except RequestError as err:
+            self.close_connection = True
+            try:
+                self._send_error(err, as_protobuf)
+            except OSError:
+                return  # the client went away
+            return self.refuse_and_close()
+        try:
+            self._route_post(path, as_protobuf)
+        finally:
+            release()
+
+    def _route_post(self, path: str, as_protobuf: bool) -> None:
+        try:
             if path in SIGNALS:
                 return self._post_signal(SIGNALS[path], as_protobuf)
             if path == "/v1/query":
@@ -408,19 +470,11 @@ class _Handler(KeepAliveHandler):
             log.exception("unexpected error on POST %s", path)
             self.close_connection = True
             self._send_error(RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc}"), as_protobuf)
-        finally:
-            collector._inflight.release()
 
     def _drain(self) -> None:
         """Read an unread body so the connection stays usable (never more than the limit)."""
-        if getattr(self, "_body_consumed", False):
-            return
-        self._body_consumed = True
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = 0
-        self.discard_body(length, self.server.collector.config.max_body_bytes)
+        if not self._body_read:
+            self.discard_body(self.body_length or 0, self.server.collector.config.max_body_bytes)
 
     def do_GET(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]
@@ -430,7 +484,6 @@ class _Handler(KeepAliveHandler):
                                       f"no endpoint GET {path}"), False)
 
     def do_PUT(self) -> None:  # noqa: N802
-        self._body_consumed = False
         self._drain()
         self._send_error(RequestError(HTTPStatus.METHOD_NOT_ALLOWED, "use POST"), False)
 
@@ -481,9 +534,21 @@ class _Handler(KeepAliveHandler):
         self.send_header("Content-Type", ARROW_STREAM)
         self.send_header("Connection", "close")
         self.end_headers()
-        with pa.ipc.new_stream(self.wfile, schema) as writer:
+        # Each write must be taken within the send timeout (sendall's timeout bounds the whole write): a client
+        # that stops reading is cut off and its query slot freed, instead of holding it for as long as it likes.
+        timeout_s = self.server.collector.config.query_send_timeout_s
+        self.connection.settimeout(timeout_s)
+        try:
+            writer = pa.ipc.new_stream(self.wfile, schema)  # no `with`: its end-of-stream write would wait again
             for batch in batches:
                 writer.write_batch(batch)
+            writer.close()
+        except (TimeoutError, OSError) as exc:
+            log.info("%s: cutting off a query answer: %s", self.address_string(),
+                     f"the client took none of it for {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc)
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # ends the query and its read transaction now, not when the generator is collected
 
     def _post_prune(self) -> None:
         try:

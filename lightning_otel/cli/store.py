@@ -20,6 +20,10 @@ def cmd_collect(args: argparse.Namespace) -> int:
                              memory_limit=args.memory_limit, max_result_rows=args.max_result_rows,
                              max_result_bytes=args.max_result_bytes, max_query_memory=args.max_query_memory,
                              max_temp_size=args.max_temp_size,
+                             max_inflight_requests=args.max_inflight_requests,
+                             max_concurrent_queries=args.max_concurrent_queries,
+                             max_queries_per_token=args.max_queries_per_token, query_timeout_s=args.query_timeout_s,
+                             query_send_timeout_s=args.query_send_timeout_s,
                              **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}))
     run_collector(config)
     return 0
@@ -133,6 +137,16 @@ def register(sub) -> None:
                         "(default: --memory-limit + 1GB)")
     p.add_argument("--max-temp-size", default="10GB",
                    help="most disk queries may spill to <db>.tmp (default: 10GB); more gets 413")
+    p.add_argument("--max-inflight-requests", type=int, default=32,
+                   help="OTLP requests handled at once; past it, 503 + Retry-After (default: 32)")
+    p.add_argument("--max-concurrent-queries", type=int, default=4,
+                   help="queries (/v1/query) run at once, apart from ingest's slots (default: 4)")
+    p.add_argument("--max-queries-per-token", type=int, default=2,
+                   help="queries one token runs at once; past it, 429 + Retry-After (default: 2)")
+    p.add_argument("--query-timeout-s", type=float, default=120.0,
+                   help="a query running longer is stopped (default: 120)")
+    p.add_argument("--query-send-timeout-s", type=float, default=30.0,
+                   help="a client that takes no part of its query answer for this long is cut off (default: 30)")
     p.add_argument("--decode-workers", type=int, default=None,
                    help="processes that decode OTLP bodies (default: cores - 1, 1 to 4; 0 = in the server)")
     p.set_defaults(func=cmd_collect)

@@ -415,17 +415,14 @@ class _Handler(KeepAliveHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         gateway = self.server.gateway
-        try:
-            length = int(self.headers.get("Content-Length") or -1)
-        except ValueError:
-            length = -1
-        if length < 0:
+        length = self.body_length  # framing checked by KeepAliveHandler: one plain Content-Length, or none
+        if length is None:
             self.close_connection = True
             return self._error(411, "Content-Length is required")
         if length > gateway.config.max_body_bytes:
             self.discard_body(length, 4 * gateway.config.max_body_bytes)
             return self._error(413, f"request body is over the {gateway.config.max_body_bytes}-byte limit")
-        raw = self.rfile.read(length)
+        raw = self.read_body()
         headers = {k.lower(): v for k, v in self.headers.items()}
         try:
             rollout_id, path = self._route()
