@@ -329,9 +329,12 @@ class Collector:
             raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"too many {role} requests in flight ({limit}); "
                                                                f"retry shortly", retry_after=self.config.retry_after_s)
 
-        def release() -> None:
-            slots.release()
-            self._end_query(key)
+        released = threading.Lock()
+
+        def release() -> None:  # at most once, from whichever comes first: the answer's last write or the end
+            if released.acquire(blocking=False):
+                slots.release()
+                self._end_query(key)
         return release
 
     def _end_query(self, key: str | None) -> None:
@@ -388,6 +391,7 @@ class _Handler(KeepAliveHandler):
 
     # -- plumbing --
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        getattr(self, "_release_slot", lambda: None)()  # the work is done: the slot is free before the client knows
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -443,6 +447,9 @@ class _Handler(KeepAliveHandler):
             except OSError:
                 return  # the client went away
             return self.refuse_and_close()
+        # Given back before the answer's last bytes go out: a client that sends its next request as soon as it
+        # has read an answer must find the slot free (a sequential caller never gets 429 from its own past query).
+        self._release_slot = release
         try:
             self._route_post(path, as_protobuf)
         finally:
@@ -542,6 +549,7 @@ class _Handler(KeepAliveHandler):
             writer = pa.ipc.new_stream(self.wfile, schema)  # no `with`: its end-of-stream write would wait again
             for batch in batches:
                 writer.write_batch(batch)
+            self._release_slot()  # the query is done; only the end-of-stream marker is left to send
             writer.close()
         except (TimeoutError, OSError) as exc:
             log.info("%s: cutting off a query answer: %s", self.address_string(),

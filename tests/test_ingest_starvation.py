@@ -188,3 +188,12 @@ def test_a_commands_concurrent_queries_wait_their_turn(make_collector, db_path):
     for thread in threads:
         thread.join(timeout=120)
     assert answers == [64_000_000] * 4
+
+
+def test_a_sequential_caller_never_meets_its_own_finished_query(make_collector):
+    """The slot of a query is free before its answer ends: a caller that sends its next query as soon as it
+    has read an answer (200, 400 or 413) is never refused 429 on account of the query it has just read."""
+    collector = make_collector(**TOKENS, max_queries_per_token=1, max_result_rows=10)
+    statements = [b"SELECT 1 AS n", b"SELECT * FROM range(11)", b"SELEC nothing"] * 40
+    statuses = [post(collector.url + "/v1/query", sql, "text/plain", headers=bearer("query"))[0] for sql in statements]
+    assert statuses == [200, 413, 400] * 40
