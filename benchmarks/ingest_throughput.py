@@ -32,8 +32,10 @@ from lightning_otel.span_store import client, discovery
 HERE = Path(__file__).resolve().parent
 
 
-def start_collector(db: Path, script: list[str]) -> tuple[subprocess.Popen, discovery.CollectorInfo]:
-    proc = subprocess.Popen([sys.executable, *script, "collect", "--db", str(db), "--port", "0"],
+def start_collector(db: Path, script: list[str], extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen,
+                                                                                     discovery.CollectorInfo]:
+    """`<script> collect` on db (any free port, `extra` flags), once its discovery file names it."""
+    proc = subprocess.Popen([sys.executable, *script, "collect", "--db", str(db), "--port", "0", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

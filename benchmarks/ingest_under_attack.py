@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import synthetic
+from benchmarks import ingest_throughput, synthetic
 from lightning_otel.span_store import client, discovery
 
 TOKENS = {"ingest": "bench-ingest", "query": "bench-query", "admin": "bench-admin"}
@@ -137,18 +137,10 @@ def summary(latencies: list[float]) -> dict[str, float]:
 
 def start_collector(db: Path, query_timeout_s: float, extra: list[str]) -> tuple[subprocess.Popen,
                                                                                   discovery.CollectorInfo]:
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_otel.cli", "collect", "--db", str(db), "--port", "0",
-                             "--ingest-token", TOKENS["ingest"], "--query-token", TOKENS["query"],
-                             "--admin-token", TOKENS["admin"], "--query-timeout-s", str(query_timeout_s), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        info = discovery.find_collector(db)
-        if info is not None and info.pid == proc.pid:
-            return proc, info
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("the collector did not start")
+    return ingest_throughput.start_collector(
+        db, ["-m", "lightning_otel.cli"], ("--ingest-token", TOKENS["ingest"], "--query-token", TOKENS["query"],
+                                           "--admin-token", TOKENS["admin"], "--query-timeout-s", str(query_timeout_s),
+                                           *extra))
 
 
 def main() -> None:
