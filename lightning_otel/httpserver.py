@@ -50,9 +50,10 @@ class ConnectionLimits:
     # (httpx: 5 s), so that the client, not the server, usually closes them: no race with a new request.
     idle_timeout_s: float = 60.0
     max_connections: int = 256  # open connections with a thread each; beyond, 503 + Retry-After
+    send_timeout_s: float = 30.0  # one write of an answer waits at most this long for the client to read
 
     def __post_init__(self) -> None:
-        for name in ("read_timeout_s", "request_timeout_s", "idle_timeout_s"):
+        for name in ("read_timeout_s", "request_timeout_s", "idle_timeout_s", "send_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise UserError(f"{name}={value!r}: give a positive number of seconds")
@@ -269,8 +270,15 @@ class KeepAliveHandler(BaseHTTPRequestHandler):
     def send_response_only(self, code: int, message: str | None = None) -> None:
         if code >= 200:  # not for "100 Continue": the body is still to be received
             self._answering = True
-            self.connection.settimeout(None)  # an answer takes as long as it takes (streams, big results)
+            # An answer takes as long as it takes (streams, big results), but each write of it must be taken by
+            # the client within answer_timeout_s: one that stops reading loses the connection, and its thread
+            # and slot are freed.
+            self.connection.settimeout(self.answer_timeout_s())
         super().send_response_only(code, message)
+
+    def answer_timeout_s(self) -> float:
+        """How long one write of an answer may wait for the client to take bytes (servers set their own)."""
+        return self.server.limits.send_timeout_s
 
     def _close_too_slow(self, exc: _TooSlow) -> None:
         if not exc.mid_request:

@@ -389,6 +389,9 @@ class _Handler(KeepAliveHandler):
     server: _Server
     server_version = f"lightning-otel/{lightning_otel.__version__}"
 
+    def answer_timeout_s(self) -> float:
+        return self.server.collector.config.query_send_timeout_s
+
     # -- plumbing --
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         getattr(self, "_release_slot", lambda: None)()  # the work is done: the slot is free before the client knows
@@ -541,10 +544,9 @@ class _Handler(KeepAliveHandler):
         self.send_header("Content-Type", ARROW_STREAM)
         self.send_header("Connection", "close")
         self.end_headers()
-        # Each write must be taken within the send timeout (sendall's timeout bounds the whole write): a client
-        # that stops reading is cut off and its query slot freed, instead of holding it for as long as it likes.
-        timeout_s = self.server.collector.config.query_send_timeout_s
-        self.connection.settimeout(timeout_s)
+        # Each write must be taken within query_send_timeout_s (answer_timeout_s): a client that stops reading is
+        # cut off and its query slot freed, instead of holding it for as long as it likes.
+        timeout_s = self.answer_timeout_s()
         try:
             writer = pa.ipc.new_stream(self.wfile, schema)  # no `with`: its end-of-stream write would wait again
             for batch in batches:

@@ -365,10 +365,8 @@ class _Handler(KeepAliveHandler):
                              f"{header[:80]!r}: name one rollout", "rollout_id")
         return rollout_id, "/" + tail
 
-    def send_response_only(self, code: int, message: str | None = None) -> None:
-        super().send_response_only(code, message)
-        if code >= 200:
-            self.connection.settimeout(self.server.gateway.config.send_timeout_s)
+    def answer_timeout_s(self) -> float:
+        return self.server.gateway.config.send_timeout_s
 
     def _send(self, status: int, content_type: str, chunks: list[bytes], length: int | None = None) -> None:
         """Answer with `chunks`: a body of `length` bytes, or (None) a stream that ends with the connection.
