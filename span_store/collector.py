@@ -86,6 +86,9 @@ class CollectorConfig:
     # time; 256 MB doubled sustained ingest (benchmarks/RESULTS.md) for at most that much WAL to replay.
     checkpoint_threshold: str = "256MB"
     decode_workers: int = field(default_factory=lambda: default_decode_workers())
+    # DuckDB's threads (inserts and queries alike): one core is left to the request threads and decoders, so a
+    # query cannot take every core from ingest (benchmarks/RESULTS.md, "ingest under attack").
+    threads: int = field(default_factory=lambda: default_threads())
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
 
     def __post_init__(self) -> None:
@@ -105,6 +108,8 @@ class CollectorConfig:
             raise UserError("--max-result-rows and --max-result-bytes must be positive")
         self.query_limits()  # sizes that do not parse fail here, not on the first query
         store.parse_size(self.max_temp_size)
+        if self.threads < 1:
+            raise UserError(f"--threads {self.threads}: DuckDB needs at least one thread")
         if self.decode_workers < 0:
             raise UserError("--decode-workers must be 0 (decode in the server process) or more")
         for role in (None, *discovery.ROLES):
@@ -135,6 +140,11 @@ def private_config(db: Path | str, **overrides: Any) -> CollectorConfig:
     random token per role. Its agents get the ingest token; the command keeps the others (discovery file)."""
     tokens = {f"{role}_token": secrets.token_urlsafe(32) for role in discovery.ROLES}
     return CollectorConfig(db=Path(db), port=0, **{**tokens, **overrides})
+
+
+def default_threads() -> int:
+    """DuckDB's threads: every core but one (one on a 2-core machine)."""
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def default_decode_workers() -> int:
@@ -211,7 +221,7 @@ class Collector:
         self.config = config
         self.db = config.db.absolute()
         self._claim_discovery_file()
-        self.con = store.connect(self.db, memory_limit=config.memory_limit,
+        self.con = store.connect(self.db, memory_limit=config.memory_limit, threads=config.threads,
                                  checkpoint_threshold=config.checkpoint_threshold, max_temp_size=config.max_temp_size)
         self.writer = BatchWriter(self.con, config.max_pending_rows)
         self.reader = store.Reader(self.con, timeout_s=config.query_timeout_s, limits=config.query_limits())

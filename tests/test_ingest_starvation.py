@@ -3,6 +3,7 @@ starting again as soon as it is refused or cut) while agents' ingests must still
 every span acknowledged before the attack must still be stored after it."""
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import post
+from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
 from test_collector_http import sample_request
 
@@ -197,3 +199,14 @@ def test_a_sequential_caller_never_meets_its_own_finished_query(make_collector):
     statements = [b"SELECT 1 AS n", b"SELECT * FROM range(11)", b"SELEC nothing"] * 40
     statuses = [post(collector.url + "/v1/query", sql, "text/plain", headers=bearer("query"))[0] for sql in statements]
     assert statuses == [200, 413, 400] * 40
+
+
+def test_duckdb_leaves_a_core_to_ingest(make_collector):
+    """DuckDB runs on every core but one by default (its own default is every core, so one query held them all
+    while ingest waited), and --threads sets it."""
+    default = make_collector()
+    status, _, body = post(default.url + "/v1/query", b"SELECT current_setting('threads') AS n", "text/plain")
+    assert status == 200
+    assert pa.ipc.open_stream(body).read_all()["n"][0].as_py() == max(1, (os.cpu_count() or 1) - 1)
+    with pytest.raises(UserError, match="--threads 0"):
+        make_collector(threads=0)

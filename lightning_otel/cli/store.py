@@ -24,7 +24,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
                              max_concurrent_queries=args.max_concurrent_queries,
                              max_queries_per_token=args.max_queries_per_token, query_timeout_s=args.query_timeout_s,
                              query_send_timeout_s=args.query_send_timeout_s,
-                             **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}))
+                             **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}),
+                             **({} if args.threads is None else {"threads": args.threads}))
     run_collector(config)
     return 0
 
@@ -147,6 +148,8 @@ def register(sub) -> None:
                    help="a query running longer is stopped (default: 120)")
     p.add_argument("--query-send-timeout-s", type=float, default=30.0,
                    help="a client that takes no part of its query answer for this long is cut off (default: 30)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="DuckDB threads for inserts and queries (default: cores - 1, at least 1)")
     p.add_argument("--decode-workers", type=int, default=None,
                    help="processes that decode OTLP bodies (default: cores - 1, 1 to 4; 0 = in the server)")
     p.set_defaults(func=cmd_collect)
