@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,17 @@ def start_group_watchdog(group: int) -> subprocess.Popen:
     """Kill process group `group` once this process is gone; stop the returned watchdog when done."""
     return subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(group)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+
+
+def lower_thread_priority(niceness: int) -> None:
+    """Make the calling thread `niceness` steps nicer (Linux: a thread's nice value is its own); elsewhere a
+    no-op. It cannot be undone without privileges, so call it on threads that do only the nicer work."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + niceness)
+        except OSError as exc:
+            log.debug("could not lower this thread's priority: %s", exc)
 
 
 def free_port() -> int:

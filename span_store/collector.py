@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
 from itertools import combinations
@@ -45,6 +46,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 import lightning_otel
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
+from lightning_otel.lifetime import lower_thread_priority
 from lightning_otel.span_store import discovery, otlp, store
 from lightning_otel.span_store.decoding import DecoderPool
 from lightning_otel.span_store.writer import BatchWriter, Busy
@@ -52,6 +54,7 @@ from lightning_otel.span_store.writer import BatchWriter, Busy
 log = logging.getLogger(__name__)
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
+QUERY_NICENESS = 10  # queries' threads: nice 10 has about a tenth of the CPU share of nice 0 when cores are short
 SIGNALS = {"/v1/traces": "traces", "/v1/logs": "logs"}
 
 
@@ -237,6 +240,10 @@ class Collector:
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; "
                             f"pick another --port (0 picks a free one)") from None
         self.decoders = DecoderPool(config.decode_workers)
+        # Queries run on threads of lower CPU priority (QUERY_NICENESS): ingest's request threads and the writer
+        # come first when the cores are short, so however many queries run, ingest keeps its latency.
+        self.query_threads = ThreadPoolExecutor(config.max_concurrent_queries, thread_name_prefix="query",
+                                                initializer=lower_thread_priority, initargs=(QUERY_NICENESS,))
         self.port = self.server.server_address[1]
         self.info = discovery.CollectorInfo(pid=os.getpid(), host=config.host, port=self.port, db=str(self.db),
                                             version=lightning_otel.__version__, tokens=config.role_tokens())
@@ -285,6 +292,7 @@ class Collector:
             self.server.shutdown()
         self.server.server_close()
         self.decoders.close()
+        self.query_threads.shutdown(wait=False, cancel_futures=True)
         self.writer.stop()
         try:
             self.con.execute("CHECKPOINT")
@@ -544,8 +552,9 @@ class _Handler(KeepAliveHandler):
                 sql = orjson.loads(sql)["sql"]
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 raise RequestError(HTTPStatus.BAD_REQUEST, 'a JSON query body must be {"sql": "SELECT ..."}') from None
+        collector = self.server.collector
         try:
-            schema, batches = self.server.collector.reader.schema_and_batches(sql)
+            schema, batches = collector.query_threads.submit(collector.reader.schema_and_batches, sql).result()
         except store.QueryTooLarge as exc:
             raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc)) from None
         # Streamed: the length is unknown up front, so the connection ends with the result.

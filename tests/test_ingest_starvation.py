@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -16,6 +17,7 @@ import pytest
 from conftest import post
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
+from lightning_otel.span_store.collector import QUERY_NICENESS
 from test_collector_http import sample_request
 
 TOKENS = {"ingest_token": "ingest-secret", "query_token": "query-secret", "admin_token": "admin-secret"}
@@ -210,3 +212,16 @@ def test_duckdb_leaves_a_core_to_ingest(make_collector):
     assert pa.ipc.open_stream(body).read_all()["n"][0].as_py() == max(1, (os.cpu_count() or 1) - 1)
     with pytest.raises(UserError, match="--threads 0"):
         make_collector(threads=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_queries_run_on_threads_that_yield_the_cores_to_ingest(make_collector):
+    collector = make_collector()
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert collector.query_threads.submit(niceness).result() == min(19, own + QUERY_NICENESS)
+    assert niceness() == own  # the request threads, the writer and everything else keep theirs
+    status, _, _ = post(collector.url + "/v1/query", b"SELECT 1", "text/plain")
+    assert status == 200
