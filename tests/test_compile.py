@@ -246,3 +246,25 @@ def test_over_length_and_inconsistent_token_records(store, collector):
     out, account = compile_transitions(CompileConfig(db=store))
     assert account.excluded[TOKEN_MISMATCH] == 1 and "r9" not in out["rollout_id"].to_list()
     assert "r9" not in client.query("SELECT rollout_id FROM transitions", store)["rollout_id"].to_list()
+
+
+@pytest.mark.parametrize("chosen, says", [
+    ({"r3", "r4"}, "every rollout excluded for: zero-variance group. Each task's rollouts all got the same reward"),
+    ({"r6"}, "every rollout excluded for: no reward. No rollout has a 'exec' reward"),
+    ({"r3", "r4", "r6"}, "the most common, for 2 of 3 rollouts, is: zero-variance group. Each task's"),
+    ({"r8"}, "every rollout excluded for: no LLM call. No LLM call spans were recorded"),
+    ({"nothing"}, "the store holds no rollouts"),
+])
+def test_no_transitions_says_why_and_what_to_try(store, chosen, says):
+    out, account = compile_transitions(CompileConfig(db=store, reward="exec", rollout_ids=frozenset(chosen)))
+    assert out.height == 0
+    assert says in account.why_none("exec")
+
+
+def test_compile_without_transitions_prints_no_nan(store, tmp_path, capsys):
+    assert main(["compile", "--db", str(store), "--reward", "other", "--tokenizer", "none",
+                 "--out", str(tmp_path / "t.parquet")]) == 0
+    printed = capsys.readouterr().out
+    assert "0 transitions from 0 of 8 rollouts ->" in printed and "nan" not in printed
+    assert ("no transitions: the exclusions are above; the most common, for 7 of 8 rollouts, is: no reward. No "
+            "rollout has a 'other' reward") in printed

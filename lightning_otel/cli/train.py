@@ -22,10 +22,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                                        turn_weight=args.turn_weight, merge_turns=args.merge_turns,
                                                        model=model, max_length=args.max_length, drift=args.drift))
     frame.write_parquet(args.out)
-    print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts "
-          f"({account.transitions_per_episode:.2f} per episode) -> {args.out}")
+    per_episode = f" ({account.transitions_per_episode:.2f} per episode)" if account.compiled_rollouts else ""
+    print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts"
+          f"{per_episode} -> {args.out}")
     for reason, count in sorted(account.excluded.items()):
         print(f"  excluded: {count} rollout(s): {reason}")
+    if why := account.why_none(args.reward):
+        print(f"  no transitions: {why}")
     if account.zero_variance_groups:
         print(f"  {account.zero_variance_groups} group(s) of (task, policy version) had no reward variance")
     if account.duplicate_calls:

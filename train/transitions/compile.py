@@ -128,6 +128,44 @@ class Accounting:
     def transitions_per_episode(self) -> float:
         return self.llm_calls / self.compiled_rollouts if self.compiled_rollouts else float("nan")
 
+    def why_none(self, reward: str | None) -> str | None:
+        """With no transition compiled: why, and what to try (None when there are some)."""
+        if self.transitions:
+            return None
+        if not self.rollouts:
+            return ("the store holds no rollouts (or none of those chosen): run the agent under `lightning-otel "
+                    "run` or `rollout` first, and check --db")
+        reason, count = self.excluded.most_common(1)[0]
+        share = ("every rollout" if count == self.rollouts
+                 else f"the exclusions are above; the most common, for {count} of {self.rollouts} rollouts, is")
+        if count == self.rollouts:
+            share += " excluded for"
+        tries = next((advice for key, advice in _EMPTY_ADVICE.items() if reason.startswith(key)),
+                     "see the exclusions above")
+        return f"{share}: {reason}. " + tries.replace("$reward", repr(reward or "the reward"))
+
+
+# What to try when compile's main exclusion is one of these (its reason, up to its first variable part).
+_EMPTY_ADVICE = {
+    "zero-variance group": "Each task's rollouts all got the same reward, so no advantage is non-zero: sample more "
+                           "rollouts per task (-n), use a shaped reward that tells better from worse, keep the "
+                           "tasks the policy sometimes solves (train's pool filter), or try --advantage "
+                           "batch-baseline or reinforce-pp, which compare across tasks",
+    "no reward": "No rollout has a $reward reward: check the name (--reward; `lightning-otel sql \"SELECT DISTINCT "
+                 "name FROM rewards\"` lists the stored ones), or score the rollouts (rollout --reward, "
+                 "emit_reward() in the agent)",
+    "no LLM call": "No LLM call spans were recorded: run the agent under opentelemetry-instrument with the "
+                   "instrumentation of its LLM client installed (docs/capture.md), or check --agents",
+    "no task id": "Advantages compare rollouts of one task: run the agent through `lightning-otel rollout` or "
+                  "`run --task-id`",
+    "rollout ": "The agent runs did not end ok: each one's error and output tails are in the store (`lightning-otel "
+                "sql \"SELECT status, error_class, stderr_tail FROM rollout_runs\"`); fix the agent, or raise "
+                "--rollout-timeout",
+    "LLM call without a token record": "Send the agent's calls through the gateway (rollout does), or give "
+                                      "--tokenizer to re-tokenise them",
+    "over length": "Raise --max-length, or shorten the agent's prompts",
+}
+
 
 def _reward_name(config: CompileConfig, read: trajectories.Read) -> str:
     if config.reward:
