@@ -147,7 +147,7 @@ class Accounting:
 
 # What to try when compile's main exclusion is one of these (its reason, up to its first variable part).
 _EMPTY_ADVICE = {
-    "zero-variance group": "Each task's rollouts all got the same reward, so no advantage is non-zero: sample more "
+    "zero-variance group": "Each task's rollouts all got the same reward, so every advantage is zero: sample more "
                            "rollouts per task (-n), use a shaped reward that tells better from worse, keep the "
                            "tasks the policy sometimes solves (train's pool filter), or try --advantage "
                            "batch-baseline or reinforce-pp, which compare across tasks",
