@@ -6,6 +6,7 @@ import pytest
 
 from lightning_otel.cli import build_parser
 from lightning_otel.cli.options import SAMPLES
+from lightning_otel.errors import UserError
 
 COMMANDS = {"rollout": ["--tasks", "t.jsonl", "--agent", "python a.py"],
             "eval": ["--tasks", "t.jsonl", "--agent", "python a.py", "--report", "r", "--reward", "spider_exec"]}
@@ -32,3 +33,21 @@ def test_compile_names_its_tokenizer_and_lists_the_advantages(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["compile", "--out", "o.parquet", "--advantage", "reinforce++"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_rollout_takes_the_sampling_settings_and_refuses_them_for_an_outside_endpoint(tmp_path):
+    from lightning_otel.cli.rollouts import cmd_rollout
+    from lightning_otel.rollouts.runner import RolloutConfig
+
+    parser = build_parser()
+    args = parser.parse_args(["rollout", "--tasks", "t.jsonl", "--agent", "a", "--max-tokens", "64",
+                              "--temperature", "0.7"])
+    assert (args.max_tokens, args.temperature) == (64, 0.7)
+    defaults = parser.parse_args(["rollout", "--tasks", "t.jsonl", "--agent", "a"])
+    assert (defaults.max_tokens, defaults.temperature) == (None, None)
+    with pytest.raises(UserError, match="applied by the gateway"):
+        RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", base_url="http://127.0.0.1:9/v1", temperature=0.7)
+    outside = parser.parse_args(["rollout", "--tasks", str(tmp_path / "t.jsonl"), "--agent", "a", "--base-url",
+                                 "http://127.0.0.1:9/v1", "--max-tokens", "64"])
+    with pytest.raises(UserError, match="max_tokens and temperature"):
+        cmd_rollout(outside)

@@ -14,7 +14,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     config = RolloutConfig(tasks=args.tasks, agent=args.agent, n=args.n, concurrency=args.concurrency, db=args.db,
                            base_url=args.base_url, api_key=args.api_key, model=args.model,
                            model_name=args.model_name, reward=args.reward, task_pack=args.task_pack,
-                           data_dir=args.data_dir, rollout_timeout_s=args.rollout_timeout)
+                           data_dir=args.data_dir, rollout_timeout_s=args.rollout_timeout,
+                           max_tokens=args.max_tokens, temperature=args.temperature)
     summary = run_rollouts(config, progress=Progress("rollouts").update)
     print(f"{len(summary.results)} rollouts: {summary.count('ok')} ok, {summary.count('failed')} failed, "
           f"{summary.count('timeout')} timed out, {summary.count('error')} could not start")
@@ -48,6 +49,10 @@ def register(sub) -> None:
     p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")
     p.add_argument("--model-name", default="policy", help="model name for {model} and LIGHTNING_MODEL "
                                                           "(the gateway serves the policy under any name)")
+    p.add_argument("--max-tokens", type=int, help="cap every generation at this many tokens (default: what each "
+                                                  "request asks, and 512 for a request that names no max_tokens)")
+    p.add_argument("--temperature", type=float, help="sample every request at this temperature, whatever the agent "
+                                                     "asks (default: each request's own)")
     add_task_pack(p, required=False)
     add_rollout_timeout(p)
     p.set_defaults(func=cmd_rollout)

@@ -113,6 +113,9 @@ class RolloutConfig:
             raise UserError(f"temperature {self.temperature} must be in [0, 2]")
         if not self.agent.strip():
             raise UserError("agent is empty: give the command that runs your agent, or module:function")
+        if self.base_url is not None and (self.max_tokens is not None or self.temperature is not None):
+            raise UserError("max_tokens and temperature are applied by the gateway that serves model; an outside "
+                            "base_url samples as each request asks: leave them out, or serve the policy here")
         if self.base_url is not None and self.model is not None:
             raise UserError("give model (served here through the gateway) or base_url (an outside "
                             "OpenAI-compatible server, no token records), not both")
