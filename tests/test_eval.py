@@ -295,6 +295,8 @@ def test_full_model_folders(tmp_path):
     (lambda p: (p / "file.txt").write_text("x") and p / "file.txt", "is a file"),
     (lambda p: p, "found no run.json, adapter/, model/"),
     (lambda p: (p / "run.json").write_text('{"model": "base"}') and p, "names no checkpoint"),
+    (lambda p: (p / "run.json").write_text('{"model": "base", "rounds_without_step": 2}') and p,
+     "its 2 round\\(s\\) took no optimizer step, so it trained nothing"),
     (lambda p: (p / "run.json").write_text('{"best": "checkpoints/round-0009"}') and p, "is not a folder"),
     (lambda p: (p / "run.json").write_text("{oops") and p, "is not JSON"),
     (lambda p: (p / "adapter_config.json").write_text('{"peft_type": "PREFIX_TUNING"}') and p, "only LoRA"),

@@ -278,6 +278,26 @@ def kind_tasks(path: Path, kinds: list[str]) -> Path:
     return path
 
 
+def test_a_round_with_no_optimizer_step_says_so_and_the_policy_version_stays(engine, tmp_path):
+    # Every task's rollouts get one reward (by_kind: always 1, never 0), so no group has an advantage: the rounds
+    # take no step, save no checkpoint, and the engine goes on serving the policy it served.
+    tasks = kind_tasks(tmp_path / "kinds.jsonl", ["always", "never"])
+    config = small_config(tmp_path, tasks=str(tasks), agent=ONE_CALL, reward="tests.helpers.train_rewards:by_kind",
+                          n=2, tasks_per_round=2, rounds=2, max_tokens=4)
+    engine.use_base()
+    with Trainer(config, engine=engine) as trainer:
+        state = trainer.run()
+    assert (state.rounds_completed, state.rounds_without_step, state.policy_version, state.last) == (2, 2, 0, None)
+    assert engine.policy_version == 0 and not list((Path(config.output_dir) / "checkpoints").glob("round-*"))
+    records = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["steps"], r["policy_version"]) for r in records] == [(1, 0, 0), (2, 0, 0)]
+    assert all("same reward" in r["no_step"] and "zero-variance group" in r["no_step"] for r in records)
+    from lightning_otel.cli.train import no_step_note
+
+    note = no_step_note(state, config.output_dir)
+    assert "2 of 2 round(s) took no optimizer step" in note and "version 0 (the starting policy" in note
+
+
 def test_the_pool_filter_keeps_the_tasks_the_starting_policy_sometimes_solves(engine, tmp_path):
     # tests.helpers.train_rewards:by_kind fixes each task's pass rate: always 1, never 0, half 1/2; with [1/8, 7/8]
     # only the half tasks are kept, measured once and read back by the resumed run.

@@ -31,6 +31,7 @@ class RunState:
     sft_done: bool = False
     validated_start: bool = False     # the policy the rounds start from has been validated
     pool_done: bool = False           # pool.jsonl holds the pool filter's measurement
+    rounds_without_step: int = 0      # rounds whose rollouts gave nothing to learn from (no checkpoint, no version)
     config: dict = field(default_factory=dict)
     offline: dict | None = None       # what an offline run trained from (train --offline)
     previous: str | None = None       # the checkpoint before `last`, until its optimizer state is dropped

@@ -197,7 +197,13 @@ class Trainer:
             self._commit(state, record)
         for r in range(state.rounds_completed, c.rounds):
             record = self.train_round(r, state)
-            self._checkpoint(state, f"round-{r + 1:04d}")
+            if record["steps"]:
+                self._checkpoint(state, f"round-{r + 1:04d}")
+            else:
+                # Untouched weights are not a new policy: no checkpoint, the engine keeps serving the same version.
+                state.rounds_without_step += 1
+                log.warning("round %d/%d took no optimizer step, the policy stays version %d: %s", r + 1, c.rounds,
+                            state.policy_version, record["no_step"])
             state.rounds_completed = r + 1
             if c.val_tasks and (r + 1) % c.val_every == 0:
                 record.update(self.validate(state))
@@ -264,6 +270,11 @@ class Trainer:
         stats = optimize(self.learner, rows, c, "grpo", seed=c.seed * 100_003 + r, epochs=c.epochs,
                          progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done, total))
         self.engine.wake()
+        no_step = None if stats.steps else (
+            account.why_none(c.reward) if not rows
+            else f"all {len(rows)} transitions are longer than max_length ({c.max_length}): raise max_length or "
+                 f"lower max_tokens" if stats.skipped_too_long >= len(rows)
+            else "the optimizer took no step on this round's transitions")
         rewards = summary.rewarded
         mean = sum(rewards) / len(rewards) if rewards else None
         std = (sum((x - mean) ** 2 for x in rewards) / (len(rewards) - 1)) ** 0.5 if len(rewards) > 1 else None
@@ -277,7 +288,7 @@ class Trainer:
             "completion_tokens": sum(len(x["completion_ids"]) for x in rows),
             "zero_variance_groups": zero_variance_groups(summary.results),
             "rollout_seconds": rollout_seconds, "optimizer_steps_total": self.learner.engine.global_steps,
-            **stats.summary(),
+            **stats.summary(), **({"no_step": no_step} if no_step else {}),
         }
 
     def _episode_figures(self, ids: set[str]) -> dict:

@@ -60,6 +60,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return code
 
 
+def no_step_note(state, output_dir: str) -> str | None:
+    """What to tell at the end of a run some of whose rounds took no optimizer step (None when all took one)."""
+    if not state.rounds_without_step:
+        return None
+    untrained = " (the starting policy: nothing was trained)" if state.last is None else ""
+    return (f"note: {state.rounds_without_step} of {state.rounds_completed} round(s) took no optimizer step, so the "
+            f"policy is version {state.policy_version}{untrained}; each round's reason is 'no_step' in "
+            f"{output_dir}/metrics.jsonl. When every group got equal rewards: a shaped reward, the pool filter "
+            f"(pool_min_pass / pool_max_pass) or advantage = \"reinforce-pp\" give the rounds something to learn")
+
+
 def _train(args: argparse.Namespace) -> int:
     from lightning_otel.train.config import load_config, render_toml
 
@@ -87,6 +98,8 @@ def _train(args: argparse.Namespace) -> int:
                   f"{', SFT done' if saved.sft_done else ''})", flush=True)
         state = train(config, progress=StepProgress())
     print(f"done: {config.output_dir} (policy version {state.policy_version}, last {state.last}, best {state.best})")
+    if note := no_step_note(state, config.output_dir):
+        print(note)
     print(f"evaluate it: lightning-otel eval --model {config.output_dir} --tasks TASKS --agent CMD --report DIR")
     return 0
 

@@ -78,8 +78,10 @@ def _from_run(run_dir: Path, python: str | None) -> Policy:
     run = read_run(run_dir)
     key = "best" if run.get("best") else "last" if run.get("last") else None
     if key is None:
-        raise UserError(f"{run_dir / 'run.json'} names no checkpoint (keys 'best' or 'last'); the run has not "
-                        f"saved one yet")
+        why = (f"its {run['rounds_without_step']} round(s) took no optimizer step, so it trained nothing (see "
+               f"'no_step' in its metrics.jsonl)" if run.get("rounds_without_step")
+               else "the run has not saved one yet")
+        raise UserError(f"{run_dir / 'run.json'} names no checkpoint (keys 'best' or 'last'): {why}")
     checkpoint = (run_dir / str(run[key])).resolve()
     if not checkpoint.is_dir():
         raise UserError(f"{run_dir / 'run.json'}: {key} = {run[key]!r}, but {checkpoint} is not a folder")
