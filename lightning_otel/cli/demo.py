@@ -209,6 +209,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     folder = result["folder"]
     print(f"\nreport: {folder / 'report-after' / 'report.md'} (baseline: {folder / 'report-before'})")
     print(f"trained run: {folder / 'run'} (metrics.jsonl, reward_curve.png, tensorboard/)")
+    from lightning_otel.cli.train import no_step_note
+
+    if note := no_step_note(result["run"], str(folder / "run")):
+        print(note)
     print(f"traces: lightning-otel sql \"SELECT * FROM rollouts\" --db {folder / 'run' / 'traces.duckdb'}")
     print(f"serve it: lightning-otel serve {folder / 'run'}")
     return 0
