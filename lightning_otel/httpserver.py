@@ -4,8 +4,9 @@ IPv6 binding, quiet logging, bounded body draining, and bounds on slow clients (
 Slow clients: every read of a request waits at most `read_timeout_s`, the whole request (line, headers,
 body) must arrive within `request_timeout_s`, and a kept-alive connection may wait `idle_timeout_s` for its
 next request. A client too slow mid-request gets 408 and the connection closes; an idle one is closed. The
-clocks run only while a request is received: answers (SSE streams, Arrow query results) are not cut by
-them (the collector gives query answers a send timeout of their own).
+clocks run only while a request is received: answers (SSE streams, Arrow query results) are not cut for
+their length, only when one write waits `send_timeout_s` (or the server's answer_timeout_s) for a client that
+stopped reading.
 At most `max_connections` connections get a thread; the ones over it get 503 at once. Kept light: the
 stdlib only.
 
