@@ -41,6 +41,13 @@ def test_rise_and_served_versions_read_the_curve():
     assert not served_each_round(stale)
     assert served_each_round([{**p, "served_policy_versions": [v + 2 for v in p["served_policy_versions"]]}
                               for p in points], start_version=2)
+    # With the versions the records name: a round that took no optimizer step leaves the version as it was.
+    named = [{**p, "policy_version": p["served_policy_versions"][0], "steps": 2} for p in points]
+    idle = [named[0], {**named[1], "steps": 0}, {**named[2], "policy_version": 1, "served_policy_versions": [1]},
+            {**named[3], "policy_version": 2, "served_policy_versions": [2]}]
+    assert served_each_round(named) and served_each_round(idle)
+    assert not served_each_round([named[0], {**named[1], "policy_version": 0, "served_policy_versions": [0]}])
+    assert not served_each_round([{**p, "steps": 0} for p in named])  # versions that advanced with no step
 
 
 def test_the_verdict_passes_a_rise_and_a_fall_and_names_only_the_arms_that_ran():
