@@ -82,7 +82,9 @@ class CollectorConfig:
     # A query's answer is held whole before it is sent (so a bound hit is a 413, not a cut stream).
     max_result_rows: int = 5_000_000
     max_result_bytes: int = 512 * 1024 * 1024
-    # Queries are interrupted while the process's resident memory is over this; None: memory_limit + 1GB.
+    # Queries are interrupted while the process's resident memory is over this size ("auto": memory_limit + 1GB;
+    # `collect`'s default). None: no such bound, for a collector inside another process (the commands' own, in
+    # the trainer beside its model), whose resident memory is not the collector's alone.
     max_query_memory: str | None = None
     max_temp_size: str = "10GB"  # what queries may spill to <db>.tmp (DuckDB's default: 90% of the disk)
     # DuckDB's default (16 MB of WAL) checkpoints every ~13k spans and rewrites the open row group each
@@ -128,8 +130,9 @@ class CollectorConfig:
                                 f"only --token for one token for every role")
 
     def query_limits(self) -> store.QueryLimits:
-        resident = (store.parse_size(self.max_query_memory) if self.max_query_memory
-                    else store.parse_size(self.memory_limit) + 10**9)
+        resident = (None if self.max_query_memory is None
+                    else store.parse_size(self.memory_limit) + 10**9 if self.max_query_memory == "auto"
+                    else store.parse_size(self.max_query_memory))
         return store.QueryLimits(self.max_result_rows, self.max_result_bytes, resident)
 
     def role_tokens(self) -> dict[str, str]:

@@ -13,8 +13,11 @@ import psutil
 import pytest
 
 from conftest import post
+from lightning_otel.cli import build_parser
 from lightning_otel.errors import UserError
 from lightning_otel.span_store import client
+from lightning_otel.span_store.collector import CollectorConfig, private_config
+from lightning_otel.span_store.store import parse_size
 from test_collector_http import sample_request
 
 GB = 10**9
@@ -142,3 +145,15 @@ def test_spilling_past_the_temp_bound_gets_413(collector_process, db_path):
     status, message = status_of_query(proc.url, sorted_strings)
     assert status == 413 and "--max-temp-size" in message, message
     assert ingest_and_count(proc.url, db_path, seed=6) == 5
+
+
+def test_the_memory_bound_is_collects_not_that_of_a_collector_inside_another_process(tmp_path):
+    """`collect` owns its process, so its resident memory bounds queries (auto: memory_limit + 1GB). A collector a
+    command starts inside its own process (the trainer's, beside a model of several GB) has no such bound: that
+    memory is not the collector's, and every query of the run was refused when it had one."""
+    db = tmp_path / "t.duckdb"
+    assert CollectorConfig(db=db, memory_limit="1GB").query_limits().max_resident_bytes is None
+    assert private_config(db, memory_limit="1GB").query_limits().max_resident_bytes is None
+    auto = CollectorConfig(db=db, memory_limit="1GB", max_query_memory="auto").query_limits()
+    assert auto.max_resident_bytes == parse_size("1GB") + 10**9
+    assert build_parser().parse_args(["collect"]).max_query_memory == "auto"

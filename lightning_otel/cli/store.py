@@ -133,9 +133,9 @@ def register(sub) -> None:
                    help="most rows one query may return (default: 5,000,000); more gets 413")
     p.add_argument("--max-result-bytes", type=int, default=512 * 1024 * 1024,
                    help="most bytes (Arrow) one query may return (default: 512 MiB); more gets 413")
-    p.add_argument("--max-query-memory", default=None,
+    p.add_argument("--max-query-memory", default="auto",
                    help="queries are stopped (413) while the collector's resident memory is over this "
-                        "(default: --memory-limit + 1GB)")
+                        "(default: auto, --memory-limit + 1GB)")
     p.add_argument("--max-temp-size", default="10GB",
                    help="most disk queries may spill to <db>.tmp (default: 10GB); more gets 413")
     p.add_argument("--max-inflight-requests", type=int, default=32,
