@@ -260,10 +260,15 @@ def _joined(batches: Iterator[pa.RecordBatch], target_bytes: int) -> Iterator[pa
         group.append(batch)
         size += batch.nbytes
         if size >= target_bytes:
-            yield pa.concat_batches(group)
+            yield from _concatenated(group)
             group, size = [], 0
     if group:
-        yield pa.concat_batches(group)
+        yield from _concatenated(group)
+
+
+def _concatenated(group: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    """One batch of the group's rows (pa.concat_batches, which does this, needs pyarrow 19; the floor is 18)."""
+    return pa.Table.from_batches(group).combine_chunks().to_batches()
 
 
 def _out_of_memory(exc: duckdb.OutOfMemoryException) -> QueryTooLarge:
