@@ -103,18 +103,14 @@ class CollectorConfig:
         if self.max_body_bytes < 1024:
             raise UserError(f"--max-body-bytes {self.max_body_bytes} is too small (at least 1024)")
         for name in ("max_pending_rows", "max_inflight_requests", "max_concurrent_queries", "max_queries_per_token",
-                     "max_admin_requests"):
+                     "max_admin_requests", "max_result_rows", "max_result_bytes", "threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number")
         for name in ("query_timeout_s", "query_send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number of seconds")
-        if self.max_result_rows < 1 or self.max_result_bytes < 1:
-            raise UserError("--max-result-rows and --max-result-bytes must be positive")
         self.query_limits()  # sizes that do not parse fail here, not on the first query
         store.parse_size(self.max_temp_size)
-        if self.threads < 1:
-            raise UserError(f"--threads {self.threads}: DuckDB needs at least one thread")
         if self.decode_workers < 0:
             raise UserError("--decode-workers must be 0 (decode in the server process) or more")
         for role in (None, *discovery.ROLES):
