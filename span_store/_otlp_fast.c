@@ -21,7 +21,7 @@
  *   - duplicate keys in an attribute list behave like a Python dict built in order: the key keeps the
  *     position of its first occurrence and takes the value of its last.
  *
- * As the reference does (otlp.MAX_VALUE_DEPTH, otlp._valid_id): an attribute value nested more than
+ * As the reference does (otlp_values.MAX_VALUE_DEPTH, otlp_values.valid_id): an attribute value nested more than
  * MAX_VALUE_DEPTH levels raises RecursionError naming the attribute, even in a span that is rejected; a span
  * whose trace, span, parent span or link id is not a valid id is rejected.
  */
@@ -34,7 +34,7 @@
 
 #define MAX_DEPTH 100 /* upb's default recursion limit: nested messages and groups below the request */
 #define MAX_ERRORS 20 /* as _SpanColumns.reject */
-#define MAX_VALUE_DEPTH 32 /* otlp.MAX_VALUE_DEPTH: array/kvlist levels of an AnyValue, a plain value being 1 */
+#define MAX_VALUE_DEPTH 32 /* otlp_values.MAX_VALUE_DEPTH: array/kvlist levels of an AnyValue, a plain value being 1 */
 
 /* ---- wire format ------------------------------------------------------------------------------- */
 
@@ -868,7 +868,7 @@ static int emit_object(Ctx *c, Buf *out, size_t base, int depth)
     return rc < 0 ? -1 : buf_putc(out, '}');
 }
 
-/* The value otlp._pb_value gives (used for the few attributes promoted to columns). */
+/* The value otlp_values.pb_value gives (used for the few attributes promoted to columns). */
 static PyObject *any_to_py(const uint8_t *base, AnyIter src)
 {
     AnyInfo info;
@@ -929,7 +929,7 @@ static PyObject *attr_get(Ctx *c, size_t base, const char *key, const char *fall
     return any_to_py(c->base, any_iter(c->base, kv->start, kv->end, 2));
 }
 
-/* otlp._as_str; steals value. */
+/* otlp_values.as_str; steals value. */
 static PyObject *as_str(PyObject *value)
 {
     if (!value || value == Py_None || PyUnicode_CheckExact(value))
@@ -939,7 +939,7 @@ static PyObject *as_str(PyObject *value)
     return out;
 }
 
-/* otlp._as_int; steals value. int() failing with OverflowError (float infinity) also gives None,
+/* otlp_values.as_int; steals value. int() failing with OverflowError (float infinity) also gives None,
  * where the Python reference lets the OverflowError escape. */
 static PyObject *as_int(PyObject *value)
 {
@@ -1484,7 +1484,7 @@ static PyMethodDef METHODS[] = {
      "decode_traces(body, received_ns) -> (columns, rejected, errors)\n\n"
      "Decode a protobuf ExportTraceServiceRequest into the span store's columns, exactly as\n"
      "otlp.decode_traces_protobuf_python does. Raises ValueError on a malformed body, RecursionError\n"
-     "naming the attribute on a value nested more than otlp.MAX_VALUE_DEPTH levels."},
+     "naming the attribute on a value nested more than otlp_values.MAX_VALUE_DEPTH levels."},
     {NULL, NULL, 0, NULL},
 };
 

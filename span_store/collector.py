@@ -22,19 +22,14 @@ Run it with `lightning-otel collect --db traces.duckdb`. It is the only process 
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import os
-import secrets
 import signal
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from http import HTTPStatus
-from itertools import combinations
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -45,175 +40,22 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import lightning_otel
 from lightning_otel.errors import UserError
-from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
+from lightning_otel.httpserver import KeepAliveHandler, LocalServer
 from lightning_otel.lifetime import lower_thread_priority
 from lightning_otel.span_store import discovery, otlp, store
+from lightning_otel.span_store.collector_config import CollectorConfig, private_config
+from lightning_otel.span_store.collector_http import (RequestError, bearer_token, decompress, grpc_code, media_type,
+                                                      roles_holding)
 from lightning_otel.span_store.decoding import DecoderPool
 from lightning_otel.span_store.writer import BatchWriter, Busy
+
+__all__ = ["Collector", "CollectorConfig", "RequestError", "private_config", "run_collector"]
 
 log = logging.getLogger(__name__)
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 QUERY_NICENESS = 10  # queries' threads: nice 10 has about a tenth of the CPU share of nice 0 when cores are short
 SIGNALS = {"/v1/traces": "traces", "/v1/logs": "logs"}
-
-
-@dataclass
-class CollectorConfig:
-    db: Path
-    host: str = "127.0.0.1"
-    port: int = 4318
-    token: str | None = None  # for every role not given its own token below
-    ingest_token: str | None = None  # OTLP in (/v1/traces, /v1/logs): what agents are handed
-    query_token: str | None = None  # reads (/v1/query)
-    admin_token: str | None = None  # every route, and the only one for /v1/prune and /v1/records
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_pending_rows: int = 200_000
-    max_inflight_requests: int = 32
-    retry_after_s: int = 1
-    query_timeout_s: float = 120.0
-    # Queries get slots of their own (ingest keeps max_inflight_requests whatever queries do), and one token
-    # (one caller) at most max_queries_per_token of them.
-    max_concurrent_queries: int = 4
-    max_queries_per_token: int = 2
-    max_admin_requests: int = 4
-    query_send_timeout_s: float = 30.0  # a client that does not read its answer is cut off after this
-    memory_limit: str = "2GB"
-    # A query's answer is held whole before it is sent (so a bound hit is a 413, not a cut stream).
-    max_result_rows: int = 5_000_000
-    max_result_bytes: int = 512 * 1024 * 1024
-    # Queries are interrupted while the process's resident memory is over this size ("auto": memory_limit + 1GB;
-    # `collect`'s default). None: no such bound, for a collector inside another process (the commands' own, in
-    # the trainer beside its model), whose resident memory is not the collector's alone.
-    max_query_memory: str | None = None
-    max_temp_size: str = "10GB"  # what queries may spill to <db>.tmp (DuckDB's default: 90% of the disk)
-    # DuckDB's default (16 MB of WAL) checkpoints every ~13k spans and rewrites the open row group each
-    # time; 256 MB doubled sustained ingest (benchmarks/RESULTS.md) for at most that much WAL to replay.
-    checkpoint_threshold: str = "256MB"
-    decode_workers: int = field(default_factory=lambda: default_decode_workers())
-    # DuckDB's threads (inserts and queries alike): one core is left to the request threads and decoders, so a
-    # query cannot take every core from ingest (benchmarks/RESULTS.md, "ingest under attack").
-    threads: int = field(default_factory=lambda: default_threads())
-    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
-
-    def __post_init__(self) -> None:
-        self.db = Path(self.db)
-        if not 0 <= self.port <= 65535:
-            raise UserError(f"--port {self.port} is not a TCP port (0-65535; 0 picks a free one)")
-        if self.max_body_bytes < 1024:
-            raise UserError(f"--max-body-bytes {self.max_body_bytes} is too small (at least 1024)")
-        for name in ("max_pending_rows", "max_inflight_requests", "max_concurrent_queries", "max_queries_per_token",
-                     "max_admin_requests", "max_result_rows", "max_result_bytes", "threads"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number")
-        for name in ("query_timeout_s", "query_send_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number of seconds")
-        self.query_limits()  # sizes that do not parse fail here, not on the first query
-        store.parse_size(self.max_temp_size)
-        if self.decode_workers < 0:
-            raise UserError("--decode-workers must be 0 (decode in the server process) or more")
-        for role in (None, *discovery.ROLES):
-            if getattr(self, f"{role}_token" if role else "token") == "":
-                raise UserError(f"--{role + '-' if role else ''}token is empty: give a token, or leave it out "
-                                f"(a role without a token accepts requests without one)")
-        tokens = self.role_tokens()
-        for a, b in combinations(discovery.ROLES, 2):
-            explicit = getattr(self, f"{a}_token") is not None or getattr(self, f"{b}_token") is not None
-            if explicit and a in tokens and tokens.get(a) == tokens.get(b):
-                raise UserError(f"the {a} and {b} roles have the same token: give each role its own (an agent "
-                                f"holding the ingest token must not read the store or write rewards), or give "
-                                f"only --token for one token for every role")
-
-    def query_limits(self) -> store.QueryLimits:
-        resident = (None if self.max_query_memory is None
-                    else store.parse_size(self.memory_limit) + 10**9 if self.max_query_memory == "auto"
-                    else store.parse_size(self.max_query_memory))
-        return store.QueryLimits(self.max_result_rows, self.max_result_bytes, resident)
-
-    def role_tokens(self) -> dict[str, str]:
-        """role -> the token it needs, for the roles that need one."""
-        tokens = {role: getattr(self, f"{role}_token") or self.token for role in discovery.ROLES}
-        return {role: token for role, token in tokens.items() if token is not None}
-
-
-def private_config(db: Path | str, **overrides: Any) -> CollectorConfig:
-    """A collector a command starts for its own run (the trainer, the runner, `serve`): any free port and a fresh
-    random token per role. Its agents get the ingest token; the command keeps the others (discovery file)."""
-    tokens = {f"{role}_token": secrets.token_urlsafe(32) for role in discovery.ROLES}
-    return CollectorConfig(db=Path(db), port=0, **{**tokens, **overrides})
-
-
-def default_threads() -> int:
-    """DuckDB's threads: every core but one (one on a 2-core machine)."""
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
-def default_decode_workers() -> int:
-    """One core stays with the writer (DuckDB inserts); the others decode, at most 4."""
-    return max(1, min((os.cpu_count() or 1) - 1, 4))
-
-
-class RequestError(Exception):
-    def __init__(self, status: HTTPStatus, message: str, retry_after: int | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
-
-
-def _media_type(header: str | None) -> str:
-    return (header or "").split(";", 1)[0].strip().lower()
-
-
-def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """The body as sent before compression, at most `limit` bytes of it.
-
-    gzip: every member in turn. A gzip body may be several members (RFC 1952 section 2.2; proxies that
-    compress in chunks send them), and their data concatenate. deflate: one zlib stream. Bytes after the last
-    complete stream are refused: a 200 would acknowledge data that was never read."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                           f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
-    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
-    view, parts, size, pos = memoryview(body), [], 0, 0
-    while True:  # one member per turn
-        inflater, chunk = zlib.decompressobj(wbits), 512
-        while not inflater.eof:
-            if pos == len(body):
-                stops = "the stream" if not parts else f"member {len(parts) + 1}"
-                raise RequestError(HTTPStatus.BAD_REQUEST, f"body is truncated {encoding} data (it stops inside "
-                                                           f"{stops})")
-            # zlib copies what follows a member's end (unused_data): input handed over in growing chunks keeps
-            # that copy about the size of the member, so a body of many tiny members costs linear time.
-            data, chunk = view[pos:pos + chunk], min(2 * chunk, 1 << 20)
-            try:
-                out = inflater.decompress(data, limit - size + 1)  # never 0, which would mean no limit
-            except zlib.error as exc:
-                raise RequestError(HTTPStatus.BAD_REQUEST, _damage(encoding, len(parts), pos, exc)) from None
-            pos += len(data)
-            size += len(out)
-            if size > limit:
-                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                   f"body is over the {limit}-byte limit once decompressed; send smaller batches")
-            parts.append(out)
-        pos -= len(inflater.unused_data)
-        if pos == len(body):
-            return b"".join(parts)
-        if encoding == "deflate":
-            raise RequestError(HTTPStatus.BAD_REQUEST,
-                               f"{len(body) - pos} bytes follow the end of the deflate (zlib) stream at byte {pos}; "
-                               f"send one stream and nothing after it")
-
-
-def _damage(encoding: str, members: int, at: int, exc: zlib.error) -> str:
-    if not members:
-        return f"body is not valid {encoding} data: {exc}"
-    return (f"the bytes after gzip member {members} (from about byte {at}) are not another gzip member ({exc}); "
-            f"send whole gzip members and nothing after them")
 
 
 class Collector:
@@ -308,7 +150,7 @@ class Collector:
         role = discovery.ROUTE_ROLES.get(path)  # None: no such route (any known token then gets the 404)
         if not tokens or (role is not None and role not in tokens):
             return
-        held = _roles_holding(tokens, header)
+        held = roles_holding(tokens, header)
         if "admin" in held or role in held or (role is None and held):
             return
         needed = "a token" if role is None else f"the {role} token" + ("" if role == "admin" else " or the admin one")
@@ -329,7 +171,7 @@ class Collector:
             return lambda: None  # no such route: answered 404 at once
         key = None
         if role == "query":
-            key = (header or "").strip().partition(" ")[2].strip()  # the token, however the scheme is spelt
+            key = bearer_token(header) or ""  # queries without a token (an open role) share one count
             with self._queries_lock:
                 running = self._queries_per_token.get(key, 0)
                 if running >= self.config.max_queries_per_token:
@@ -425,10 +267,10 @@ class _Handler(KeepAliveHandler):
     def _send_error(self, err: RequestError, as_protobuf: bool) -> None:
         headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
         if as_protobuf:
-            body = status_pb2.Status(code=_grpc_code(err.status), message=err.message).SerializeToString()
+            body = status_pb2.Status(code=grpc_code(err.status), message=err.message).SerializeToString()
             self._send(err.status, body, "application/x-protobuf", headers)
         else:
-            body = orjson.dumps({"code": _grpc_code(err.status), "message": err.message})
+            body = orjson.dumps({"code": grpc_code(err.status), "message": err.message})
             self._send(err.status, body, "application/json", headers)
 
     def _read_body(self) -> bytes:
@@ -447,12 +289,12 @@ class _Handler(KeepAliveHandler):
         if len(body) != length:
             self.close_connection = True
             raise RequestError(HTTPStatus.BAD_REQUEST, "body ended before Content-Length bytes arrived")
-        return _decompress(body, self.headers.get("Content-Encoding", ""), limit)
+        return decompress(body, self.headers.get("Content-Encoding", ""), limit)
 
     # -- routes --
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
         path = self.path.split("?", 1)[0]
-        as_protobuf = _media_type(self.headers.get("Content-Type")) == "application/x-protobuf"
+        as_protobuf = media_type(self.headers.get("Content-Type")) == "application/x-protobuf"
         collector = self.server.collector
         authorization = self.headers.get("Authorization")
         try:
@@ -517,7 +359,7 @@ class _Handler(KeepAliveHandler):
     do_DELETE = do_PATCH = do_PUT  # noqa: N815
 
     def _post_signal(self, signal_name: str, as_protobuf: bool) -> None:
-        media = _media_type(self.headers.get("Content-Type"))
+        media = media_type(self.headers.get("Content-Type"))
         if media not in ("application/x-protobuf", "application/json"):
             raise RequestError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                                f"Content-Type {media or '(none)'!r} is not OTLP; "
@@ -546,7 +388,7 @@ class _Handler(KeepAliveHandler):
 
     def _post_query(self) -> None:
         sql = self._read_body().decode("utf-8", errors="replace")
-        if _media_type(self.headers.get("Content-Type")) == "application/json":
+        if media_type(self.headers.get("Content-Type")) == "application/json":
             try:
                 sql = orjson.loads(sql)["sql"]
             except (orjson.JSONDecodeError, KeyError, TypeError):
@@ -594,21 +436,6 @@ class _Handler(KeepAliveHandler):
             raise RequestError(HTTPStatus.BAD_REQUEST, 'records body must be {"table": ..., "rows": [...]}') from None
         written = self.server.collector.writer.run_exclusive(lambda con: store.write_records(con, table, rows))
         self._send(200, orjson.dumps({"written": written}), "application/json")
-
-
-def _roles_holding(tokens: dict[str, str], header: str | None) -> set[str]:
-    """The roles whose token `header` ("Bearer <token>") carries; every token compared in constant time."""
-    scheme, _, sent = (header or "").strip().partition(" ")
-    if scheme.lower() != "bearer" or not sent.strip():
-        return set()
-    sent_bytes = sent.strip().encode()
-    matches = {role: hmac.compare_digest(sent_bytes, token.encode()) for role, token in tokens.items()}
-    return {role for role, match in matches.items() if match}
-
-
-def _grpc_code(status: int) -> int:
-    """google.rpc.Code for an HTTP status, as OTLP/HTTP error bodies carry it."""
-    return {400: 3, 401: 16, 403: 7, 404: 5, 405: 12, 411: 3, 413: 3, 415: 3, 429: 8, 503: 14}.get(int(status), 13)
 
 
 def run_collector(config: CollectorConfig) -> None:

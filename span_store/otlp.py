@@ -9,7 +9,6 @@ ids are hex strings, enums are integers, 64-bit integers may be strings, keys ar
 """
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import re
@@ -28,12 +27,12 @@ try:
 except ImportError:  # built without a C compiler: the pure-Python decoder does the same work, slower
     _otlp_fast = None
 
+from lightning_otel.span_store.otlp_values import (DecodeFailure, ValueTooDeep, as_int, as_str, clamp_ns, dumps_json,
+                                                    id_problem, js_attrs, js_body, js_enum, js_id, js_list, js_time,
+                                                    pb_attrs, pb_body, pick)
+
 # The C decoder of protobuf traces, when built; LIGHTNING_OTEL_PURE_PYTHON=1 forces the Python reference.
 FAST_DECODER = _otlp_fast is not None and os.environ.get("LIGHTNING_OTEL_PURE_PYTHON", "") != "1"
-
-
-class DecodeFailure(ValueError):
-    """The request body is not a valid OTLP export request; nothing of it may be stored."""
 
 
 SPAN_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
@@ -71,11 +70,6 @@ LOG_SCHEMA = pa.schema([
     ("attempt", pa.int64()), ("received_ns", pa.int64()),
 ])
 
-INT64_MAX = 2**63 - 1
-# arrayValue/kvlistValue levels an attribute value or log body may have (a plain value is level 1). Protobuf's
-# own parser stops at 100 nested messages and a kvlist level costs 3 of them (AnyValue, KeyValueList, KeyValue):
-# 32 levels is the most every place a value can sit holds, so JSON is held to the same and both accept alike.
-MAX_VALUE_DEPTH = 32
 # protobuf's parser says only "Error parsing message", for damage and for nesting past its limit alike.
 UPB_HINT = " (damaged, or messages nested deeper than 100 levels)"
 
@@ -95,225 +89,7 @@ class Decoded:
         return "; ".join(shown) + more
 
 
-def _dumps(value: Any) -> str:
-    # NaN and infinities have no JSON form; orjson writes them as null.
-    return orjson.dumps(value).decode()
-
-
-def _as_int(value: Any) -> int | None:
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
-        return None
-    return number if -INT64_MAX - 1 <= number <= INT64_MAX else None
-
-
-def _as_str(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-def _clamp_ns(value: int) -> int:
-    # fixed64 timestamps above int64 are nonsense (after year 2262); keep the row, clamp the field.
-    return value if value <= INT64_MAX else INT64_MAX
-
-
-class ValueTooDeep(DecodeFailure):
-    """An AnyValue nested deeper than MAX_VALUE_DEPTH; `where` is set by the outermost attribute list."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.where = "a value"
-
-    def __str__(self) -> str:
-        return (f"{self.where} nests arrayValue/kvlistValue more than {MAX_VALUE_DEPTH} levels deep; "
-                f"flatten it, or send it as a JSON string")
-
-
-# ---- protobuf AnyValue -----------------------------------------------------------------------------
-
-def _pb_value(value: Any, depth: int = 1) -> Any:
-    if depth > MAX_VALUE_DEPTH:
-        raise ValueTooDeep
-    kind = value.WhichOneof("value")
-    if kind is None:
-        return None
-    if kind == "array_value":
-        return [_pb_value(item, depth + 1) for item in value.array_value.values]
-    if kind == "kvlist_value":
-        return _pb_attrs(value.kvlist_value.values, depth + 1)
-    if kind == "bytes_value":
-        return base64.b64encode(value.bytes_value).decode()
-    return getattr(value, kind)
-
-
-_SCALAR_KINDS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
-
-
-def _pb_attrs(key_values: Any, depth: int = 1) -> dict[str, Any]:
-    # The hot loop of ingest: scalars inline, one call fewer per attribute than _pb_value.
-    out = {}
-    key = ""
-    try:
-        if depth > MAX_VALUE_DEPTH and key_values:
-            raise ValueTooDeep
-        for kv in key_values:
-            key, value = kv.key, kv.value
-            kind = value.WhichOneof("value")
-            out[key] = getattr(value, kind) if kind in _SCALAR_KINDS else _pb_value(value, depth)
-    except ValueTooDeep as exc:
-        exc.where = f"attribute {key!r}"  # the outermost list sets it last
-        raise
-    return out
-
-
-# ---- JSON AnyValue ---------------------------------------------------------------------------------
-
-def _get(obj: dict, camel: str, snake: str | None = None, default: Any = None) -> Any:
-    if camel in obj:
-        return obj[camel]
-    if snake is not None and snake in obj:
-        return obj[snake]
-    return default
-
-
-def _js_value(value: Any, depth: int = 1) -> Any:
-    if depth > MAX_VALUE_DEPTH:
-        raise ValueTooDeep
-    if not isinstance(value, dict):
-        raise DecodeFailure(f"an attribute value must be an AnyValue object, got {type(value).__name__}")
-    for key, snake in (("stringValue", "string_value"), ("boolValue", "bool_value")):
-        if key in value or snake in value:
-            return _get(value, key, snake)
-    if "intValue" in value or "int_value" in value:
-        number = _as_int(_get(value, "intValue", "int_value"))
-        if number is None:
-            raise DecodeFailure(f"intValue {_get(value, 'intValue', 'int_value')!r} is not a 64-bit integer")
-        return number
-    if "doubleValue" in value or "double_value" in value:
-        raw = _get(value, "doubleValue", "double_value")
-        try:
-            return float(raw)
-        except (TypeError, ValueError):
-            raise DecodeFailure(f"doubleValue {raw!r} is not a number") from None
-    if "arrayValue" in value or "array_value" in value:
-        items = _get(_get(value, "arrayValue", "array_value") or {}, "values", default=[]) or []
-        if not isinstance(items, list):
-            raise DecodeFailure("arrayValue 'values' must be a list")
-        return [_js_value(item, depth + 1) for item in items]
-    if "kvlistValue" in value or "kvlist_value" in value:
-        return _js_attrs(_get(_get(value, "kvlistValue", "kvlist_value") or {}, "values", default=[]), depth + 1)
-    if "bytesValue" in value or "bytes_value" in value:
-        return _get(value, "bytesValue", "bytes_value")
-    return None
-
-
-def _js_attrs(key_values: Any, depth: int = 1) -> dict[str, Any]:
-    if key_values is None:
-        return {}
-    if not isinstance(key_values, list):
-        raise DecodeFailure("attributes must be a list of {key, value} objects")
-    out = {}
-    for kv in key_values:
-        # proto3 JSON omits default values, so a missing key is the empty string.
-        if not isinstance(kv, dict) or not isinstance(kv.get("key", ""), str):
-            raise DecodeFailure("each attribute must be an object with a string 'key'")
-        key = kv.get("key", "")
-        try:
-            out[key] = _js_value(kv.get("value", {}), depth)
-        except ValueTooDeep as exc:
-            exc.where = f"attribute {key!r}"  # the outermost list sets it last
-            raise
-    return out
-
-
-def _js_id(value: Any, what: str) -> str:
-    """An id as sent; whether it is a valid one is up to the row builder (it rejects that record alone)."""
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise DecodeFailure(f"{what} must be a string of hex digits, got {type(value).__name__}")
-    return value
-
-
-def _js_body(value: Any) -> Any:
-    try:
-        return None if value is None else _js_value(value)
-    except ValueTooDeep as exc:
-        exc.where = "a log record body"
-        raise
-
-
-def _pb_body(value: Any) -> Any:
-    try:
-        return _pb_value(value)
-    except ValueTooDeep as exc:
-        exc.where = "a log record body"
-        raise
-
-
-def _js_list(obj: dict, camel: str, snake: str, what: str) -> list:
-    items = _get(obj, camel, snake, default=[])
-    if items is None:
-        return []
-    if not isinstance(items, list):
-        raise DecodeFailure(f"'{camel}' in {what} must be a list")
-    for item in items:
-        if not isinstance(item, dict):
-            raise DecodeFailure(f"each entry of '{camel}' in {what} must be an object")
-    return items
-
-
-def _js_enum(value: Any, names: tuple[str, ...], prefix: str, what: str) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        short = value.upper().removeprefix(prefix)
-        if short in names:
-            return names.index(short)
-        number = _as_int(value)
-        if number is not None:
-            return number
-    raise DecodeFailure(f"{what} {value!r} is not a valid enum value")
-
-
-def _js_time(value: Any, what: str) -> int:
-    if value in (None, ""):
-        return 0
-    number = _as_int(value) if not isinstance(value, float) else int(value)
-    if number is None:
-        try:
-            number = int(value)
-        except (TypeError, ValueError):
-            raise DecodeFailure(f"{what} {value!r} is not an integer number of nanoseconds") from None
-        number = _clamp_ns(number)
-    if number < 0:
-        raise DecodeFailure(f"{what} {value!r} is negative")
-    return number
-
-
 # ---- shared row building ---------------------------------------------------------------------------
-
-_HEX_ID = {n: re.compile(f"[0-9a-fA-F]{{{n}}}") for n in (16, 32)}
-_ID_RULE = {32: "32 hex digits (16 bytes), not all zero", 16: "16 hex digits (8 bytes), not all zero"}
-
-
-def _valid_id(value: str, length: int) -> bool:
-    """An OTLP id: exactly `length` ASCII hex digits (either case; no sign, space, 0x or _), not all zero.
-    Protobuf ids arrive as bytes.hex(), so one rule covers both encodings."""
-    return _HEX_ID[length].fullmatch(value) is not None and value.strip("0") != ""
-
-
-def _id_problem(ids: tuple[tuple[str, str, int, bool], ...]) -> str | None:
-    """The first of (what, value, length, may_be_empty) that is not a valid id, as an error message part."""
-    for what, value, length, may_be_empty in ids:
-        if may_be_empty and not value:
-            continue
-        if not _valid_id(value, length):
-            return f"{what} {value!r} is not {_ID_RULE[length]}"
-    return None
-
 
 class _ResourceContext:
     """Resource-level values every span of a ResourceSpans shares."""
@@ -322,11 +98,11 @@ class _ResourceContext:
 
     def __init__(self, resource: dict[str, Any]):
         self.resource = resource
-        self.resource_json = _dumps(resource)
-        self.service_name = _as_str(resource.get("service.name"))
-        self.rollout_id = _as_str(resource.get(ROLLOUT_ID_KEY))
-        self.task_id = _as_str(resource.get(TASK_ID_KEY))
-        self.attempt = _as_int(resource.get(ATTEMPT_KEY))
+        self.resource_json = dumps_json(resource)
+        self.service_name = as_str(resource.get("service.name"))
+        self.rollout_id = as_str(resource.get(ROLLOUT_ID_KEY))
+        self.task_id = as_str(resource.get(TASK_ID_KEY))
+        self.attempt = as_int(resource.get(ATTEMPT_KEY))
 
 
 def _append_identity(columns: dict[str, list], attrs: dict[str, Any], res: _ResourceContext) -> None:
@@ -336,7 +112,7 @@ def _append_identity(columns: dict[str, list], attrs: dict[str, Any], res: _Reso
     task = attrs.get(TASK_ID_KEY)
     columns["task_id"].append(res.task_id if task is None else str(task))
     attempt = attrs.get(ATTEMPT_KEY)
-    columns["attempt"].append(res.attempt if attempt is None else _as_int(attempt))
+    columns["attempt"].append(res.attempt if attempt is None else as_int(attempt))
 
 
 _LLM_OR_TOOL_OPS = ("chat", "text_completion", "generate_content", "execute_tool")
@@ -347,17 +123,17 @@ _AGENT_NAME_PREFIX = re.compile(r"(invoke.agent|execute.task) ", re.DOTALL)  # S
 def _agent_name(name: str, operation: str | None, attrs: dict[str, Any]) -> str | None:
     """agent_name_from (migration 0006) on a span's own attributes: the agent, task or graph node it stands
     for. The SQL macro is the definition; the C decoder has the same code (tests/test_trajectories.py)."""
-    agent, kind = _as_str(attrs.get("gen_ai.agent.name")), _as_str(attrs.get("traceloop.span.kind"))
+    agent, kind = as_str(attrs.get("gen_ai.agent.name")), as_str(attrs.get("traceloop.span.kind"))
     if agent is not None and operation not in _LLM_OR_TOOL_OPS:
         return agent
     if kind in ("agent", "task"):
-        for value in (agent, _as_str(attrs.get("crewai.agent.role")), _as_str(attrs.get("traceloop.entity.name")),
-                      _as_str(attrs.get("gen_ai.task.name"))):
+        for value in (agent, as_str(attrs.get("crewai.agent.role")), as_str(attrs.get("traceloop.entity.name")),
+                      as_str(attrs.get("gen_ai.task.name"))):
             if value is not None:
                 return value
         return re.sub(r"\.(agent|task)\Z", "", name, count=1)
     if operation in _AGENT_OPS or _AGENT_NAME_PREFIX.match(name):
-        for value in (agent, _as_str(attrs.get("gen_ai.task.name")), _as_str(attrs.get("traceloop.entity.name"))):
+        for value in (agent, as_str(attrs.get("gen_ai.task.name")), as_str(attrs.get("traceloop.entity.name"))):
             if value is not None:
                 return value
         return re.sub(r"^(invoke_agent|execute_task|create_agent) ", "", name, count=1)
@@ -396,7 +172,7 @@ class _SpanColumns(_Columns):
                ("parent span id", parent, 16, True))
         for link in links:
             ids += (("link trace id", link["trace_id"], 32, False), ("link span id", link["span_id"], 16, False))
-        problem = _id_problem(ids)
+        problem = id_problem(ids)
         if problem is not None:
             self.reject(f"span {name!r}: {problem}")
             return
@@ -410,27 +186,27 @@ class _SpanColumns(_Columns):
         c["flags"].append(flags)
         c["name"].append(name)
         c["kind"].append(SPAN_KINDS[kind] if 0 <= kind < len(SPAN_KINDS) else str(kind))
-        c["start_ns"].append(_clamp_ns(start))
-        c["end_ns"].append(_clamp_ns(end))
+        c["start_ns"].append(clamp_ns(start))
+        c["end_ns"].append(clamp_ns(end))
         c["status_code"].append(STATUS_CODES[status_code] if 0 <= status_code < 3 else str(status_code))
         c["status_message"].append(status_message or None)
-        c["attributes"].append(_dumps(attrs))
+        c["attributes"].append(dumps_json(attrs))
         c["resource"].append(res.resource_json)
         c["scope_name"].append(scope_name or None)
         c["scope_version"].append(scope_version or None)
-        c["events"].append(_dumps(events) if events else None)
-        c["links"].append(_dumps(links) if links else None)
+        c["events"].append(dumps_json(events) if events else None)
+        c["links"].append(dumps_json(links) if links else None)
         c["service_name"].append(res.service_name)
         _append_identity(c, attrs, res)
         get = attrs.get
-        c["operation_name"].append(_as_str(get("gen_ai.operation.name", get("llm.request.type"))))
-        c["request_model"].append(_as_str(get("gen_ai.request.model")))
-        c["response_model"].append(_as_str(get("gen_ai.response.model")))
-        c["input_tokens"].append(_as_int(get("gen_ai.usage.input_tokens", get("gen_ai.usage.prompt_tokens"))))
+        c["operation_name"].append(as_str(get("gen_ai.operation.name", get("llm.request.type"))))
+        c["request_model"].append(as_str(get("gen_ai.request.model")))
+        c["response_model"].append(as_str(get("gen_ai.response.model")))
+        c["input_tokens"].append(as_int(get("gen_ai.usage.input_tokens", get("gen_ai.usage.prompt_tokens"))))
         c["output_tokens"].append(
-            _as_int(get("gen_ai.usage.output_tokens", get("gen_ai.usage.completion_tokens"))))
+            as_int(get("gen_ai.usage.output_tokens", get("gen_ai.usage.completion_tokens"))))
         c["received_ns"].append(self.received_ns)
-        c["response_id"].append(_as_str(get("gen_ai.response.id")))
+        c["response_id"].append(as_str(get("gen_ai.response.id")))
         c["agent_name"].append(_agent_name(name, c["operation_name"][-1], attrs))
 
 
@@ -459,18 +235,18 @@ def decode_traces_protobuf_python(body: bytes) -> Decoded:
         raise DecodeFailure(f"body is not a protobuf ExportTraceServiceRequest: {exc}{UPB_HINT}") from None
     out = _SpanColumns()
     for resource_spans in request.resource_spans:
-        res = _ResourceContext(_pb_attrs(resource_spans.resource.attributes))
+        res = _ResourceContext(pb_attrs(resource_spans.resource.attributes))
         for scope_spans in resource_spans.scope_spans:
             scope = scope_spans.scope
             for s in scope_spans.spans:
-                events = [{"time_ns": e.time_unix_nano, "name": e.name, "attributes": _pb_attrs(e.attributes)}
+                events = [{"time_ns": e.time_unix_nano, "name": e.name, "attributes": pb_attrs(e.attributes)}
                           for e in s.events]
                 links = [{"trace_id": ln.trace_id.hex(), "span_id": ln.span_id.hex(),
-                          "trace_state": ln.trace_state, "attributes": _pb_attrs(ln.attributes)}
+                          "trace_state": ln.trace_state, "attributes": pb_attrs(ln.attributes)}
                          for ln in s.links]
                 out.add(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.trace_state, s.flags,
                         s.name, s.kind, s.start_time_unix_nano, s.end_time_unix_nano, s.status.code,
-                        s.status.message, _pb_attrs(s.attributes), res, scope.name, scope.version,
+                        s.status.message, pb_attrs(s.attributes), res, scope.name, scope.version,
                         events, links)
     return out.result()
 
@@ -486,51 +262,51 @@ def _parse_json(body: bytes, what: str) -> dict:
 
 
 def _js_scope(scope_block: dict) -> tuple[str, str]:
-    scope = _get(scope_block, "scope", default={}) or {}
+    scope = pick(scope_block, "scope", default={}) or {}
     if not isinstance(scope, dict):
         raise DecodeFailure("'scope' must be an object")
     return str(scope.get("name") or ""), str(scope.get("version") or "")
 
 
 def _js_resource(block: dict) -> _ResourceContext:
-    resource = _get(block, "resource", default={}) or {}
+    resource = pick(block, "resource", default={}) or {}
     if not isinstance(resource, dict):
         raise DecodeFailure("'resource' must be an object")
-    return _ResourceContext(_js_attrs(resource.get("attributes")))
+    return _ResourceContext(js_attrs(resource.get("attributes")))
 
 
 def decode_traces_json(body: bytes | dict) -> Decoded:
     doc = body if isinstance(body, dict) else _parse_json(body, "an ExportTraceServiceRequest")
     out = _SpanColumns()
-    for block in _js_list(doc, "resourceSpans", "resource_spans", "the request"):
+    for block in js_list(doc, "resourceSpans", "resource_spans", "the request"):
         res = _js_resource(block)
-        for scope_block in _js_list(block, "scopeSpans", "scope_spans", "resourceSpans"):
+        for scope_block in js_list(block, "scopeSpans", "scope_spans", "resourceSpans"):
             scope_name, scope_version = _js_scope(scope_block)
-            for s in _js_list(scope_block, "spans", "spans", "scopeSpans"):
-                status = _get(s, "status", default={}) or {}
+            for s in js_list(scope_block, "spans", "spans", "scopeSpans"):
+                status = pick(s, "status", default={}) or {}
                 if not isinstance(status, dict):
                     raise DecodeFailure("span 'status' must be an object")
-                events = [{"time_ns": _js_time(_get(e, "timeUnixNano", "time_unix_nano"), "event time"),
+                events = [{"time_ns": js_time(pick(e, "timeUnixNano", "time_unix_nano"), "event time"),
                            "name": str(e.get("name") or ""),
-                           "attributes": _js_attrs(e.get("attributes"))}
-                          for e in _js_list(s, "events", "events", "a span")]
-                links = [{"trace_id": _js_id(_get(ln, "traceId", "trace_id"), "link traceId"),
-                          "span_id": _js_id(_get(ln, "spanId", "span_id"), "link spanId"),
-                          "trace_state": str(_get(ln, "traceState", "trace_state") or ""),
-                          "attributes": _js_attrs(ln.get("attributes"))}
-                         for ln in _js_list(s, "links", "links", "a span")]
-                out.add(_js_id(_get(s, "traceId", "trace_id"), "traceId"),
-                        _js_id(_get(s, "spanId", "span_id"), "spanId"),
-                        _js_id(_get(s, "parentSpanId", "parent_span_id"), "parentSpanId"),
-                        str(_get(s, "traceState", "trace_state") or ""),
-                        _as_int(s.get("flags")) or 0,
+                           "attributes": js_attrs(e.get("attributes"))}
+                          for e in js_list(s, "events", "events", "a span")]
+                links = [{"trace_id": js_id(pick(ln, "traceId", "trace_id"), "link traceId"),
+                          "span_id": js_id(pick(ln, "spanId", "span_id"), "link spanId"),
+                          "trace_state": str(pick(ln, "traceState", "trace_state") or ""),
+                          "attributes": js_attrs(ln.get("attributes"))}
+                         for ln in js_list(s, "links", "links", "a span")]
+                out.add(js_id(pick(s, "traceId", "trace_id"), "traceId"),
+                        js_id(pick(s, "spanId", "span_id"), "spanId"),
+                        js_id(pick(s, "parentSpanId", "parent_span_id"), "parentSpanId"),
+                        str(pick(s, "traceState", "trace_state") or ""),
+                        as_int(s.get("flags")) or 0,
                         str(s.get("name") or ""),
-                        _js_enum(s.get("kind"), SPAN_KINDS, "SPAN_KIND_", "span kind"),
-                        _js_time(_get(s, "startTimeUnixNano", "start_time_unix_nano"), "startTimeUnixNano"),
-                        _js_time(_get(s, "endTimeUnixNano", "end_time_unix_nano"), "endTimeUnixNano"),
-                        _js_enum(status.get("code"), STATUS_CODES, "STATUS_CODE_", "status code"),
+                        js_enum(s.get("kind"), SPAN_KINDS, "SPAN_KIND_", "span kind"),
+                        js_time(pick(s, "startTimeUnixNano", "start_time_unix_nano"), "startTimeUnixNano"),
+                        js_time(pick(s, "endTimeUnixNano", "end_time_unix_nano"), "endTimeUnixNano"),
+                        js_enum(status.get("code"), STATUS_CODES, "STATUS_CODE_", "status code"),
                         str(status.get("message") or ""),
-                        _js_attrs(s.get("attributes")), res, scope_name, scope_version, events, links)
+                        js_attrs(s.get("attributes")), res, scope_name, scope_version, events, links)
     return out.result()
 
 
@@ -544,20 +320,20 @@ class _LogColumns(_Columns):
             body: Any, attrs: dict[str, Any], res: _ResourceContext, scope_name: str, scope_version: str,
             trace_id: str, span_id: str, flags: int) -> None:
         """trace_id and span_id may be empty (a log outside any span); a record with an invalid one is rejected."""
-        problem = _id_problem((("trace id", trace_id, 32, True), ("span id", span_id, 16, True)))
+        problem = id_problem((("trace id", trace_id, 32, True), ("span id", span_id, 16, True)))
         if problem is not None:
             self.reject(f"log record at {time_ns}: {problem}")
             return
         trace_id, span_id = trace_id.lower(), span_id.lower()
         c = self.columns
-        body_json = _dumps(body)
-        attrs_json = _dumps(attrs)
+        body_json = dumps_json(body)
+        attrs_json = dumps_json(attrs)
         # Log records carry no id of their own; a content hash lets a retried export be stored once.
         identity = "\x1f".join((str(time_ns), str(observed_ns), trace_id, span_id, str(severity_number),
                                 event_name, body_json, attrs_json, res.resource_json, scope_name))
         c["log_id"].append(hashlib.blake2b(identity.encode(), digest_size=16).hexdigest())
-        c["time_ns"].append(_clamp_ns(time_ns))
-        c["observed_ns"].append(_clamp_ns(observed_ns))
+        c["time_ns"].append(clamp_ns(time_ns))
+        c["observed_ns"].append(clamp_ns(observed_ns))
         c["severity_number"].append(severity_number)
         c["severity_text"].append(severity_text or None)
         c["event_name"].append(event_name or None)
@@ -583,11 +359,11 @@ def decode_logs_protobuf(body: bytes) -> Decoded:
         raise DecodeFailure(f"body is not a protobuf ExportLogsServiceRequest: {exc}{UPB_HINT}") from None
     out = _LogColumns()
     for resource_logs in request.resource_logs:
-        res = _ResourceContext(_pb_attrs(resource_logs.resource.attributes))
+        res = _ResourceContext(pb_attrs(resource_logs.resource.attributes))
         for scope_logs in resource_logs.scope_logs:
             for r in scope_logs.log_records:
                 out.add(r.time_unix_nano, r.observed_time_unix_nano, r.severity_number, r.severity_text,
-                        r.event_name, _pb_body(r.body), _pb_attrs(r.attributes), res, scope_logs.scope.name,
+                        r.event_name, pb_body(r.body), pb_attrs(r.attributes), res, scope_logs.scope.name,
                         scope_logs.scope.version, r.trace_id.hex(), r.span_id.hex(), r.flags)
     return out.result()
 
@@ -595,21 +371,21 @@ def decode_logs_protobuf(body: bytes) -> Decoded:
 def decode_logs_json(body: bytes | dict) -> Decoded:
     doc = body if isinstance(body, dict) else _parse_json(body, "an ExportLogsServiceRequest")
     out = _LogColumns()
-    for block in _js_list(doc, "resourceLogs", "resource_logs", "the request"):
+    for block in js_list(doc, "resourceLogs", "resource_logs", "the request"):
         res = _js_resource(block)
-        for scope_block in _js_list(block, "scopeLogs", "scope_logs", "resourceLogs"):
+        for scope_block in js_list(block, "scopeLogs", "scope_logs", "resourceLogs"):
             scope_name, scope_version = _js_scope(scope_block)
-            for r in _js_list(scope_block, "logRecords", "log_records", "scopeLogs"):
-                out.add(_js_time(_get(r, "timeUnixNano", "time_unix_nano"), "timeUnixNano"),
-                        _js_time(_get(r, "observedTimeUnixNano", "observed_time_unix_nano"), "observedTimeUnixNano"),
-                        _js_enum(_get(r, "severityNumber", "severity_number"), (), "", "severityNumber"),
-                        str(_get(r, "severityText", "severity_text") or ""),
-                        str(_get(r, "eventName", "event_name") or ""),
-                        _js_body(r.get("body")),
-                        _js_attrs(r.get("attributes")), res, scope_name, scope_version,
-                        _js_id(_get(r, "traceId", "trace_id"), "traceId"),
-                        _js_id(_get(r, "spanId", "span_id"), "spanId"),
-                        _as_int(r.get("flags")) or 0)
+            for r in js_list(scope_block, "logRecords", "log_records", "scopeLogs"):
+                out.add(js_time(pick(r, "timeUnixNano", "time_unix_nano"), "timeUnixNano"),
+                        js_time(pick(r, "observedTimeUnixNano", "observed_time_unix_nano"), "observedTimeUnixNano"),
+                        js_enum(pick(r, "severityNumber", "severity_number"), (), "", "severityNumber"),
+                        str(pick(r, "severityText", "severity_text") or ""),
+                        str(pick(r, "eventName", "event_name") or ""),
+                        js_body(r.get("body")),
+                        js_attrs(r.get("attributes")), res, scope_name, scope_version,
+                        js_id(pick(r, "traceId", "trace_id"), "traceId"),
+                        js_id(pick(r, "spanId", "span_id"), "spanId"),
+                        as_int(r.get("flags")) or 0)
     return out.result()
 
 

@@ -13,7 +13,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from lightning_otel.span_store import otlp
+from lightning_otel.span_store import otlp, otlp_values
 from tests.helpers.otlp_json import request_to_json
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -134,9 +134,9 @@ def test_values_survive_decoding(request):
                 assert row["parent_span_id"] == (span.parent_span_id.hex() or None)
                 stored = json.loads(row["attributes"])
                 for kv in span.attributes:
-                    assert stored[kv.key] == expected_json(otlp._pb_value(kv.value))  # noqa: SLF001
+                    assert stored[kv.key] == expected_json(otlp_values.pb_value(kv.value))
                 assert len(json.loads(row["events"] or "[]")) == len(span.events)
-                assert json.loads(row["resource"]) == {kv.key: expected_json(otlp._pb_value(kv.value))
+                assert json.loads(row["resource"]) == {kv.key: expected_json(otlp_values.pb_value(kv.value))
                                                        for kv in rs.resource.attributes}
 
 
@@ -216,4 +216,4 @@ def test_the_c_decoder_is_built_and_chosen():
     assert otlp._otlp_fast is not None, "span_store/_otlp_fast.c was not built: check the compiler and the install log"  # noqa: SLF001
     assert otlp.FAST_DECODER is (os.environ.get("LIGHTNING_OTEL_PURE_PYTHON", "") != "1")
     if os.environ.get("LIGHTNING_OTEL_FAST_SO"):  # `make test-asan`: the sanitizer build, not the installed one
-        assert otlp._otlp_fast.__file__ == os.path.abspath(os.environ["LIGHTNING_OTEL_FAST_SO"])  # noqa: SLF001
+        assert otlp._otlp_fast.__file__ == os.path.abspath(os.environ["LIGHTNING_OTEL_FAST_SO"])

@@ -1,6 +1,6 @@
 """Strict decoding of OTLP bodies, over a real collector on 127.0.0.1: every gzip member is stored and bytes after
 a compressed stream are refused, ids are what the OTLP specification allows, values nest at most
-otlp.MAX_VALUE_DEPTH levels. After every probe a good request still commits and the store holds exactly the
+otlp_values.MAX_VALUE_DEPTH levels. After every probe a good request still commits and the store holds exactly the
 spans the collector acknowledged (Store.check)."""
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from conftest import post
-from lightning_otel.span_store import client, otlp
+from lightning_otel.span_store import client, otlp, otlp_values
 from lightning_otel.span_store.collector import Collector, CollectorConfig
 from tests.helpers.otlp_json import request_to_json
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-DEPTH = otlp.MAX_VALUE_DEPTH
+DEPTH = otlp_values.MAX_VALUE_DEPTH
 
 
 class Store:
@@ -397,7 +397,7 @@ def test_the_depth_limit_is_the_same_in_either_encoding(place):
     for decode in pb_decoders:
         with pytest.raises(otlp.DecodeFailure):
             decode(request.SerializeToString())
-    with pytest.raises(otlp.ValueTooDeep):
+    with pytest.raises(otlp_values.ValueTooDeep):
         json_decoder(deep_json(place, too_deep))
     deepest = too_deep[2:]  # DEPTH levels
     signal, request = deep_request(place, deepest)
@@ -419,7 +419,7 @@ def test_nesting_depth(store, levels, place):
         try:
             outcomes.append(rows(decode(json_body if decode is json_decoder else pb_body)))
         except otlp.DecodeFailure as exc:
-            assert not fits and (decode is not json_decoder or isinstance(exc, otlp.ValueTooDeep)), exc
+            assert not fits and (decode is not json_decoder or isinstance(exc, otlp_values.ValueTooDeep)), exc
             outcomes.append(None)
     assert outcomes == [outcomes[-1]] * len(outcomes) and (outcomes[-1] is not None) == fits
     for body, content_type in ((pb_body, "application/x-protobuf"), (json_body, "application/json")):
