@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+import select
 import socket
 import threading
 import time
@@ -276,6 +277,17 @@ class KeepAliveHandler(BaseHTTPRequestHandler):
             # and slot are freed.
             self.connection.settimeout(self.answer_timeout_s())
         super().send_response_only(code, message)
+
+    def peer_closed(self) -> bool:
+        """Whether the client has closed its side of the connection (it left before its answer): the socket is
+        readable and holds no more bytes. Safe from another thread while this one waits on work."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):  # reset, or already closed here
+            return True
 
     def answer_timeout_s(self) -> float:
         """How long one write of an answer may wait for the client to take bytes (servers set their own)."""

@@ -16,7 +16,8 @@ both before the collector reads its body or gives it a slot, and the connection 
 Capacity is per role, so that no other role can starve ingest: `max_inflight_requests` ingest requests,
 `max_concurrent_queries` queries (at most `max_queries_per_token` of one token: 429 past it) and
 `max_admin_requests` admin ones at a time; past a role's slots, 503 with Retry-After. A query runs at most
-`query_timeout_s`, and each piece of its answer must be taken by the client within `query_send_timeout_s`.
+`query_timeout_s` (less when its client hangs up first: it is then stopped), and each piece of its answer must be
+taken by the client within `query_send_timeout_s`.
 
 Run it with `lightning-otel collect --db traces.duckdb`. It is the only process that holds the file.
 """
@@ -395,7 +396,8 @@ class _Handler(KeepAliveHandler):
                 raise RequestError(HTTPStatus.BAD_REQUEST, 'a JSON query body must be {"sql": "SELECT ..."}') from None
         collector = self.server.collector
         try:
-            schema, batches = collector.query_threads.submit(collector.reader.schema_and_batches, sql).result()
+            schema, batches = collector.query_threads.submit(collector.reader.schema_and_batches, sql,
+                                                              self.peer_closed).result()
         except store.QueryTooLarge as exc:
             raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(exc)) from None
         # Streamed: the length is unknown up front, so the connection ends with the result.

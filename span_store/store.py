@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import duckdb
 import pyarrow as pa
@@ -169,6 +169,7 @@ def connect(path: Path | str, read_only: bool = False, memory_limit: str | None 
 # more that is built before a check can stop it.
 RESULT_BATCH_ROWS = 2048
 GUARD_SAMPLE_S = 0.01
+ABANDON_SAMPLE_S = 0.1  # how often a running query looks whether its client is still there
 # The small batches are joined into ones of about this size for sending: per-batch overhead on the socket
 # made a 4M-row answer of two integer columns 3x slower.
 SEND_BATCH_BYTES = 16 * 2**20
@@ -213,12 +214,14 @@ class Reader:
         self.timeout_s = timeout_s
         self.limits = limits or QueryLimits()
 
-    def record_batches(self, sql: str, batch_rows: int = RESULT_BATCH_ROWS) -> Iterator:
+    def record_batches(self, sql: str, batch_rows: int = RESULT_BATCH_ROWS,
+                       abandoned: Callable[[], bool] | None = None) -> Iterator:
         """The schema, then the result of one read statement as record batches: streamed, so a big result
-        never sits in memory whole, and stopped (QueryTooLarge) before a batch past the limits is yielded."""
+        never sits in memory whole, and stopped (QueryTooLarge) before a batch past the limits is yielded.
+        `abandoned`: polled while the query runs; when it answers True (the client left) the query stops."""
         check_read_only(sql)
         cursor = self.con.cursor()
-        guard = _QueryGuard(cursor, self.timeout_s, self.limits.max_resident_bytes)
+        guard = _QueryGuard(cursor, self.timeout_s, self.limits.max_resident_bytes, abandoned)
         try:
             cursor.execute("BEGIN TRANSACTION READ ONLY")
             try:
@@ -239,10 +242,11 @@ class Reader:
             guard.finish()
             cursor.close()
 
-    def schema_and_batches(self, sql: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    def schema_and_batches(self, sql: str, abandoned: Callable[[], bool] | None = None
+                           ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """With result limits, the whole answer (at most those limits) is fetched before this returns, so a
         caller answering over HTTP learns of a bound before it sends anything; without, it streams."""
-        batches = self.record_batches(sql)
+        batches = self.record_batches(sql, abandoned=abandoned)
         schema = next(batches)  # first item is the schema, so errors surface before any byte is sent
         if self.limits.bounds_result:
             return schema, iter(list(_joined(batches, SEND_BATCH_BYTES)))
@@ -294,24 +298,35 @@ def _within_limits(reader: pa.RecordBatchReader, limits: QueryLimits) -> Iterato
 
 
 class _QueryGuard:
-    """Interrupts one query past its time limit, or while the process's resident memory is over a bound:
-    checked every GUARD_SAMPLE_S, and DuckDB stops at its next vector, so one vector's values can pass it."""
+    """Interrupts one query past its time limit, while the process's resident memory is over a bound, or once
+    its client has left (`abandoned`): checked every GUARD_SAMPLE_S (the client every ABANDON_SAMPLE_S), and
+    DuckDB stops at its next vector, so one vector's values can pass it."""
 
-    def __init__(self, cursor: duckdb.DuckDBPyConnection, timeout_s: float | None, max_resident: int | None):
+    def __init__(self, cursor: duckdb.DuckDBPyConnection, timeout_s: float | None, max_resident: int | None,
+                 abandoned: Callable[[], bool] | None = None):
         self.cursor = cursor
+        self.abandoned = abandoned
         self.deadline = time.monotonic() + timeout_s if timeout_s else None
         self.timeout_s = timeout_s
         self.max_resident = max_resident if max_resident and resident_bytes() is not None else None
         self.reason: UserError | None = None
         self._done = threading.Event()
         self._thread = None
-        if self.deadline or self.max_resident:
+        if self.deadline or self.max_resident or self.abandoned:
             self._thread = threading.Thread(target=self._watch, name="query-guard", daemon=True)
             self._thread.start()
 
     def _watch(self) -> None:
-        interval = GUARD_SAMPLE_S if self.max_resident else self.timeout_s
+        interval = (GUARD_SAMPLE_S if self.max_resident else ABANDON_SAMPLE_S if self.abandoned
+                    else self.timeout_s)
+        next_look = time.monotonic()
         while not self._done.wait(interval):
+            if self.abandoned and time.monotonic() >= next_look:
+                next_look = time.monotonic() + ABANDON_SAMPLE_S
+                if self.abandoned():
+                    self.reason = UserError("query stopped: the client closed its connection before the answer")
+                    self.cursor.interrupt()
+                    return
             if self.deadline and time.monotonic() >= self.deadline:
                 self.reason = UserError(f"query stopped after the {self.timeout_s:g} s limit")
             elif self.max_resident and (resident := resident_bytes() or 0) > self.max_resident:

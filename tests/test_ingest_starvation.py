@@ -225,3 +225,22 @@ def test_queries_run_on_threads_that_yield_the_cores_to_ingest(make_collector):
     assert niceness() == own  # the request threads, the writer and everything else keep theirs
     status, _, _ = post(collector.url + "/v1/query", b"SELECT 1", "text/plain")
     assert status == 200
+
+
+def test_a_query_whose_client_left_stops_and_frees_its_slot(make_collector):
+    """A client that sends a slow query and hangs up: the query is interrupted within a moment, not at the
+    query timeout, so the token's max_queries_per_token slots are free again for its next queries."""
+    collector = make_collector(**TOKENS, query_timeout_s=300, max_queries_per_token=2)
+    address = (urllib.parse.urlsplit(collector.url).hostname, urllib.parse.urlsplit(collector.url).port)
+    for _ in range(2):
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(raw_post("/v1/query", SLOW_SQL, {"Content-Type": "text/plain", **bearer("query")}))
+            time.sleep(0.5)  # the query is running when the client leaves
+    deadline, statuses = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        status, _, _ = post(collector.url + "/v1/query", b"SELECT 1", "text/plain", headers=bearer("query"))
+        statuses.append(status)
+        if status == 200:
+            break
+        time.sleep(0.2)
+    assert statuses[-1] == 200, statuses  # without the watcher: 429 until the 300 s timeout
