@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup engine crewai demo test test-fast test-floors test-asan clean
+.PHONY: setup engine crewai demo dist test test-fast test-floors test-asan clean
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,13 @@ $(CREWAI_VENV)/.installed: pyproject.toml
 
 demo: setup engine
 	$(VENV)/bin/lightning-otel demo
+
+# The wheel, in dist/ (tagged for this platform: it carries the compiled OTLP decoder), built with this venv's
+# setuptools after `make setup`. build/ is cleared first, or leftovers of an earlier build (modules since moved)
+# would be packed too. `pip install dist/lightning_otel-*.whl` installs it anywhere.
+dist:
+	rm -rf build dist
+	$(PY) -m pip wheel $(PIP_QUIET) --no-deps --no-build-isolation --disable-pip-version-check -w dist .
 
 test: setup engine crewai
 	$(PY) -m pytest -q $(PYTEST_ARGS)

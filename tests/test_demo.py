@@ -6,55 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.wheel import installed_from_wheel
+
 pytestmark = [pytest.mark.needs_engine, pytest.mark.heavy]  # it starts its own vLLM engine
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def source_copy(folder: Path) -> Path:
-    """The files git tracks or would track (committed or not), copied: a wheel built in the clone itself would
-    also pack what an earlier build left in its build/ folder (modules since moved or deleted)."""
-    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
-    for name in filter(None, names):
-        source, target = REPO / name, folder / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_symlink():
-            target.symlink_to(os.readlink(source))
-        elif source.is_file():
-            shutil.copy2(source, target)
-    return folder
-
-
-def installed_from_wheel(folder: Path) -> Path:
-    """A fresh venv holding lightning-otel as a built wheel (not the clone). Its dependencies are this
-    environment's (a path entry, so nothing is downloaded); its console scripts are its own."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "-w", str(folder / "dist"), str(source_copy(folder / "src"))],
-                   check=True, capture_output=True, timeout=600)
-    (wheel,) = (folder / "dist").glob("lightning_otel-*.whl")
-    venv = folder / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    python = venv / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    import opentelemetry.instrumentation.version as instrumentation
-    # --ignore-installed: the dependencies' copy is visible through the path entry, but its console script
-    # (opentelemetry-instrument, which starts every agent) must be this venv's own.
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
-                    "--disable-pip-version-check", str(wheel),
-                    f"opentelemetry-instrumentation=={instrumentation.__version__}"],
-                   check=True, capture_output=True, timeout=600)
-    return venv
 
 
 def test_quick_demo_runs_from_an_installed_wheel_outside_the_clone(tmp_path):
