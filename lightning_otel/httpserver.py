@@ -22,6 +22,7 @@ are never parsed as a next request.
 from __future__ import annotations
 
 import io
+import ipaddress
 import logging
 import re
 import select
@@ -61,6 +62,22 @@ class ConnectionLimits:
                 raise UserError(f"{name}={value!r}: give a positive number of seconds")
         if self.max_connections < 1:
             raise UserError(f"max_connections={self.max_connections}: at least one connection must be served")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a server on this machine: a loopback address, or a name whose every
+    address is one ("localhost"). An empty host or a wildcard (0.0.0.0, ::) binds every interface."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    if not host:
+        return False
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 class _TooSlow(BaseException):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_otel.errors import UserError
-from lightning_otel.httpserver import ConnectionLimits
+from lightning_otel.httpserver import ConnectionLimits, is_loopback
 from lightning_otel.span_store import discovery, store
 
 
@@ -51,6 +51,9 @@ class CollectorConfig:
     # query cannot take every core from ingest (benchmarks/RESULTS.md, "ingest under attack").
     threads: int = field(default_factory=lambda: default_threads())
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
+    # A host other than loopback with a role that needs no token is refused unless this is set: anyone on the
+    # network could then read every task's answers or write rewards.
+    insecure_no_auth: bool = False
 
     def __post_init__(self) -> None:
         self.db = Path(self.db)
@@ -74,6 +77,11 @@ class CollectorConfig:
                 raise UserError(f"--{role + '-' if role else ''}token is empty: give a token, or leave it out "
                                 f"(a role without a token accepts requests without one)")
         tokens = self.role_tokens()
+        open_roles = [role for role in discovery.ROLES if role not in tokens]
+        if open_roles and not self.insecure_no_auth and not is_loopback(self.host):
+            raise UserError(f"--host {self.host} makes the collector reachable from other machines, and the "
+                            f"{', '.join(open_roles)} role(s) would need no token there: give --token (one for "
+                            f"every role) or a token per role, or --insecure-no-auth on a network you trust")
         for a, b in combinations(discovery.ROLES, 2):
             explicit = getattr(self, f"{a}_token") is not None or getattr(self, f"{b}_token") is not None
             if explicit and a in tokens and tokens.get(a) == tokens.get(b):

@@ -4,6 +4,7 @@ reward name sent by the OTel SDK, before and after the runner scored it."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 import types
@@ -102,6 +103,23 @@ def test_a_role_without_a_token_is_open_and_role_tokens_must_differ(make_collect
             CollectorConfig(db=tmp_path / "x.duckdb", **given)
     private = private_config(tmp_path / "y.duckdb").role_tokens()
     assert set(private) == set(discovery.ROLES) and len(set(private.values())) == 3
+
+
+def test_a_collector_reachable_from_other_machines_needs_a_token_for_every_role(tmp_path):
+    db = tmp_path / "x.duckdb"
+    for host in ("0.0.0.0", "::", "", "10.1.2.3", "example.invalid"):
+        with pytest.raises(UserError, match="ingest, query, admin role.*--insecure-no-auth"):
+            CollectorConfig(db=db, host=host)
+    with pytest.raises(UserError, match=r"--host 0.0.0.0 .* the ingest role\(s\)"):
+        CollectorConfig(db=db, host="0.0.0.0", query_token="q", admin_token="a")
+    CollectorConfig(db=db, host="0.0.0.0", token="t")
+    CollectorConfig(db=db, host="0.0.0.0", insecure_no_auth=True)
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        CollectorConfig(db=db, host=host)  # loopback: open roles stay on this machine
+    result = subprocess.run([sys.executable, "-m", "lightning_otel.cli", "collect", "--db", str(db), "--host",
+                             "0.0.0.0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "--insecure-no-auth" in result.stderr, result.stderr[-2000:]
+    assert not db.exists()
 
 
 def test_collect_takes_a_token_per_role(collector_process, db_path):

@@ -23,7 +23,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
                              max_inflight_requests=args.max_inflight_requests,
                              max_concurrent_queries=args.max_concurrent_queries,
                              max_queries_per_token=args.max_queries_per_token, query_timeout_s=args.query_timeout_s,
-                             query_send_timeout_s=args.query_send_timeout_s,
+                             query_send_timeout_s=args.query_send_timeout_s, insecure_no_auth=args.insecure_no_auth,
                              **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}),
                              **({} if args.threads is None else {"threads": args.threads}))
     run_collector(config)
@@ -116,7 +116,10 @@ def register(sub) -> None:
                        description="Receive OTLP/HTTP traces and logs (protobuf or JSON, gzip) and write them "
                                    "into one DuckDB file; serve read-only SQL to other commands.")
     add_db(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1); any other than "
+                                                       "loopback needs tokens for every role, or --insecure-no-auth")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host with roles that need no token (a network you trust)")
     p.add_argument("--port", type=int, default=4318, help="port (default: 4318, OTLP/HTTP's; 0 = any free)")
     p.add_argument("--token", help="require 'Authorization: Bearer TOKEN' on every request: the token of every "
                                    "role not given its own below")
