@@ -137,9 +137,11 @@ def test_the_tutorial_agent_on_the_engine(engine, tmp_path):
     summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{EXAMPLE}:run", n=2, concurrency=4, db=db,
                                          reward="spider_shaped", temperature=0.7, max_tokens=64,
                                          rollout_timeout_s=300), engine=engine)
-    problems = {}
+    problems, seen = {}, []
     for result in summary.results:
         rows, forced = tool_rows(db, result.rollout_id), forced_calls(db, result.rollout_id)
+        seen.append({"status": result.status, "tools": [r["tool_name"] for r in rows], "sql": ran_sql(rows),
+                     "reward": result.reward, "final_output": result.final_output})
         stray = [c for c in forced if not set(c["named"]) <= c["offered"]]
         if stray:
             problems.setdefault("forced call names a tool not offered", []).append(stray)
@@ -154,4 +156,4 @@ def test_the_tutorial_agent_on_the_engine(engine, tmp_path):
                                          and result.reward != expected):
                 problems.setdefault("reward not on the SQL the tools ran", []).append((sql, result.reward, expected))
         assert result.reward is None or result.reward in set(SHAPED.values()) | {1.0}
-    assert not problems, json.dumps(problems, indent=1, default=str)
+    assert not problems, json.dumps({"problems": problems, "rollouts": seen}, indent=1, default=str)
