@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import pytest
 
 from lightning_otel.errors import UserError
 from lightning_otel.rollouts.rewards import call_reward, resolve_reward
-from lightning_otel.tasks.spider.rewards import (bundled_data_dir, database_path, results_match, spider_exec,
-                                                 spider_shaped)
+from lightning_otel.tasks.spider.rewards import (bundled_data_dir, database_path, final_sql, results_match,
+                                                 spider_exec, spider_shaped)
 
 SINGER = {"id": "t1", "db_id": "singer"}
 
@@ -45,8 +46,10 @@ def score(gold: str, predicted: str | None, **task) -> float | None:
     ("SELECT count(*) FROM singer", "```sql SELECT count(*) FROM singer```", 1.0),
     # The first fenced block is read wherever it starts: after prose or the schema lines a linked answer copies.
     ("SELECT count(*) FROM singer", "singer(Singer_ID, Name)\n```sql\nSELECT count(*) FROM singer\n```", 1.0),
-    ("SELECT count(*) FROM singer", "Here it is:\n```SQLite\nSELECT count(*) FROM singer;\n```\n```sql\nSELECT 1\n```", 1.0),
-    ("SELECT count(*) FROM singer", "singer(Singer_ID)\n```sql\nSELECT count(*) FROM singer", 1.0),  # cut off at max_tokens
+    ("SELECT count(*) FROM singer",
+     "Here it is:\n```SQLite\nSELECT count(*) FROM singer;\n```\n```sql\nSELECT 1\n```", 1.0),
+    # cut off at max_tokens
+    ("SELECT count(*) FROM singer", "singer(Singer_ID)\n```sql\nSELECT count(*) FROM singer", 1.0),
     ("SELECT count(*) FROM singer", "Counting:\n```sql\nSELECT count(*) FROM singer WHERE Age > 40\n```", 0.0),
 ])
 def test_spider_exec_pairs(gold, predicted, expected):
@@ -79,6 +82,47 @@ def test_spider_shaped_has_nothing_to_score_without_gold_or_database():
     assert spider_shaped({"id": "t", "db_id": "singer"}, {"final_output": "SELECT 1"}) is None
     with pytest.raises(UserError, match="does not exist; check --data-dir"):
         spider_shaped({"id": "t", "db_id": "nope", "query": "SELECT 1"}, {"final_output": "SELECT 1"})
+
+
+def tool_span(start_ns: int, name: str, arguments) -> dict:
+    """A tool span as the GenAI instrumentations record it (trace_view reads the other conventions too)."""
+    return {"name": f"execute_tool {name}", "operation_name": "execute_tool", "start_ns": start_ns,
+            "attributes": json.dumps({"gen_ai.tool.name": name, "gen_ai.tool.call.arguments": json.dumps(arguments)})}
+
+
+@pytest.mark.parametrize("final_output,spans,expected", [
+    # prose at the end: the last SQL the agent ran through a tool is scored
+    ("There are 6 singers.", [tool_span(1, "sql_db_query", {"query": "SELECT count(*) FROM singer"})], 1.0),
+    (None, [tool_span(1, "run", {"sql": "SELECT Name FROM singer"})], 0.5),
+    ("", [tool_span(2, "sql_db_query", {"query": "SELECT count(*) FROM singer"}),
+          tool_span(1, "sql_db_query", {"query": "SELECT nope FROM singer"})], 1.0),  # time order, not list order
+    ("Done.", [tool_span(1, "sql_db_query", {"query": "SELECT count(*) FROM singer"}),
+               tool_span(2, "sql_db_query", {"query": "SELECT nope FROM singer"})], 0.25),  # the last one counts
+    # a call without SQL (the schema lookup) is passed over; any text argument that is a query counts
+    ("6", [tool_span(1, "execute", {"statement": "SELECT count(*) FROM singer", "limit": 5}),
+           tool_span(2, "sql_db_schema", {"table_names": "singer"})], 1.0),
+    ("6", [tool_span(1, "sql_db_schema", {"table_names": "singer"})], 0.1),  # no SQL ran: the prose is scored
+    # a query in the final output wins over the tools'
+    ("SELECT Name FROM singer", [tool_span(1, "sql_db_query", {"query": "SELECT count(*) FROM singer"})], 0.5),
+    ("```sql\nSELECT count(*) FROM singer\n```", [tool_span(1, "q", {"query": "SELECT 1"})], 1.0),
+    ("", [], 0.0),
+])
+def test_spider_scores_the_last_sql_a_tool_ran_when_the_answer_holds_none(final_output, spans, expected):
+    task = {**SINGER, "query": "SELECT count(*) FROM singer"}
+    rollout = {"final_output": final_output, "spans": spans}
+    assert spider_shaped(task, rollout) == expected
+    assert spider_exec(task, rollout) == float(expected == 1.0)
+
+
+def test_final_sql_reads_tool_arguments_in_each_form():
+    langchain = {"name": "execute_tool sql_db_query", "start_ns": 1, "attributes": {
+        "traceloop.span.kind": "tool", "gen_ai.tool.call.arguments": json.dumps(
+            {"input_str": "{'query': 'SELECT 1'}", "inputs": {"query": "SELECT 1"}, "kwargs": {"tool_call_id": "a"}})}}
+    text = tool_span(1, "sql", "```sql\nSELECT 2\n```")  # arguments that are no JSON object: the text itself
+    assert final_sql({"final_output": "ok", "spans": [langchain]}) == "SELECT 1"
+    assert final_sql({"final_output": "ok", "spans": [text]}) == "SELECT 2"
+    assert final_sql({"final_output": "ok", "spans": [tool_span(1, "search", {"q": "singers"})]}) == "ok"
+    assert final_sql({"final_output": None}) is None
 
 
 def test_the_database_is_never_changed():
@@ -145,7 +189,8 @@ def test_a_reward_in_a_file_imports_with_its_folder_on_the_path(tmp_path):
     assert call_reward(fn, {}, {"final_output": "one two three"}) == 0.25
     for spec, needle in [(f"{folder / 'absent.py'}:f", "reward .* does not exist"),
                          (f"{folder / 'score.py'}:missing", "reward .* no function 'missing'"),
-                         (f"{folder / 'score.py'}:LIMIT", r"not a function; give a function called as fn\(task, rollout\)")]:
+                         (f"{folder / 'score.py'}:LIMIT",
+                          r"not a function; give a function called as fn\(task, rollout\)")]:
         with pytest.raises(UserError, match=needle):
             resolve_reward(spec)
 

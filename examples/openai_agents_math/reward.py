@@ -6,30 +6,24 @@
 `shaped`: 1.0 for the right final number; 0.6 when the calculator returned the right number and the reply
 did not say it; for an expression the calculator could evaluate (a wrong one), 0.1 plus up to 0.3 for the
 share of the question's numbers it used; 0.0 otherwise. The tool's arguments and result come from the tool
-spans the Agents SDK instrumentation records (gen_ai.tool.call.arguments / .result), so the agent is not
-changed to report them.
+spans the Agents SDK instrumentation records (gen_ai.tool.call.arguments / .result, read by
+lightning_otel.rollouts.trace_view), so the agent is not changed to report them.
 """
 from __future__ import annotations
 
 import json
 from collections import Counter
 
+from lightning_otel.rollouts import trace_view
 from lightning_otel.tasks.math import NUMBER, last_number, number_match
 
 
-def _attributes(span: dict) -> dict:
-    attributes = span.get("attributes") or {}
-    return json.loads(attributes) if isinstance(attributes, str) else attributes
-
-
 def tool_calls(rollout: dict) -> list[tuple[str, str]]:
-    """(arguments, result) of the rollout's tool calls, in order, from its spans."""
+    """(arguments, result) of the rollout's tool calls as text, in order, from its spans."""
     calls = []
-    for span in rollout.get("spans") or []:
-        attributes = _attributes(span)
-        if span.get("operation_name") == "execute_tool" or attributes.get("traceloop.span.kind") == "tool":
-            calls.append((str(attributes.get("gen_ai.tool.call.arguments") or ""),
-                          str(attributes.get("gen_ai.tool.call.result") or "")))
+    for call in trace_view.tool_calls(rollout):
+        text = json.dumps(call.arguments) if isinstance(call.arguments, dict) else (call.arguments or "")
+        calls.append((text, call.result or ""))
     return calls
 
 

@@ -7,11 +7,11 @@
 """
 from __future__ import annotations
 
-import re
 import sqlite3
 from pathlib import Path
 
-from lightning_otel.tasks.spider.rewards import QueryTimeout, bundled_data_dir, database_path, extract_sql, run_query
+from lightning_otel.tasks.spider.rewards import (SQL_START, QueryTimeout, bundled_data_dir, database_path, extract_sql,
+                                                 run_query)
 
 OUTCOME_CLASSES = {  # name -> meaning, in report order
     "wrong_result": "the final SQL runs but returns other rows",
@@ -20,7 +20,6 @@ OUTCOME_CLASSES = {  # name -> meaning, in report order
 }
 SQL_RAN = ("correct", "wrong_result")  # the classes whose final SQL runs on its database
 HARDNESS_ORDER = ("easy", "medium", "hard", "extra")
-SQL_START = re.compile(r"^\s*(SELECT|WITH)\b", re.IGNORECASE)
 
 
 def classify(row: dict, data_dir: Path | None, timeout_s: float = 10.0) -> str:

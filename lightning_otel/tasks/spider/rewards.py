@@ -3,6 +3,8 @@
     --reward spider_exec     1 for the gold result, else 0
     --reward spider_shaped   the same, with partial credit for SQL that gets part of the way
 
+The final SQL is the query in the agent's final output; when that holds none (an agent that ends in prose, as
+LangGraph's SQL tutorial does), it is the last SQL the agent ran through a tool, read from the rollout's spans.
 Data in Spider's layout: <data_dir>/database/<db_id>/<db_id>.sqlite (default: the subset bundled here).
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from lightning_otel.errors import UserError
+from lightning_otel.rollouts.trace_view import ToolCall, tool_calls
 
 
 def bundled_data_dir() -> Path:
@@ -32,6 +35,9 @@ FENCE = re.compile(r"^```(?:sql)?\s*|\s*```$", re.IGNORECASE)
 # The first fenced block anywhere in an answer (an unclosed one runs to the end): models often write a line of
 # prose, or the schema lines they read, before the query.
 FENCED_BLOCK = re.compile(r"```(?:sqlite|sql)?[ \t]*\n?(.*?)(?:```|\Z)", re.IGNORECASE | re.DOTALL)
+# A query, as opposed to prose: what the outcome classes call SQL (outcomes.py, `no_sql`).
+SQL_START = re.compile(r"^\s*(SELECT|WITH)\b", re.IGNORECASE)
+SQL_ARGUMENTS = ("query", "sql")  # the names a SQL tool gives its statement (the tutorials' sql_db_query: query)
 
 
 class QueryTimeout(Exception):
@@ -104,8 +110,38 @@ def extract_sql(output: str | None) -> str | None:
     return text or None
 
 
+def is_sql(text: str | None) -> bool:
+    """Whether an answer holds a query: its SQL (extract_sql) begins with SELECT or WITH."""
+    sql = extract_sql(text)
+    return sql is not None and SQL_START.match(sql) is not None
+
+
+def call_sql(call: ToolCall) -> str | None:
+    """The SQL a tool call ran: its `query` or `sql` argument, else the first text argument that is a query."""
+    if isinstance(call.arguments, dict):
+        for key, value in call.arguments.items():
+            if str(key).lower() in SQL_ARGUMENTS and isinstance(value, str) and value.strip():
+                return extract_sql(value)
+    return next((extract_sql(text) for text in call.strings() if is_sql(text)), None)
+
+
+def last_tool_sql(rollout: dict) -> str | None:
+    """The last SQL the rollout ran through a tool, from its spans (None when no tool call ran any)."""
+    return next((sql for sql in map(call_sql, reversed(tool_calls(rollout))) if sql), None)
+
+
+def final_sql(rollout: dict) -> str | None:
+    """The SQL a rollout is scored on: the query in its final output; when that holds none, the last SQL it ran
+    through a tool; with neither, the final output itself (prose, which SQLite refuses)."""
+    answer = extract_sql(rollout.get("final_output"))
+    if answer is not None and SQL_START.match(answer):
+        return answer
+    return last_tool_sql(rollout) or answer
+
+
 def spider_exec(task: dict, rollout: dict, timeout_s: float = 10.0) -> float | None:
-    """1.0 when the rollout's final SQL returns the gold query's result on the task's database, else 0.0.
+    """1.0 when the rollout's final SQL (final_sql: its final output's query, else the last one it ran through a
+    tool) returns the gold query's result on the task's database, else 0.0.
 
     None when the task has no gold query or database (nothing to score against). A prediction that errors,
     times out or tries to write scores 0.0.
@@ -143,7 +179,7 @@ def spider_shaped(task: dict, rollout: dict, timeout_s: float = 10.0) -> float |
     db = database_path(rollout.get("data_dir") or bundled_data_dir(), db_id)
     if not db.is_file():
         raise UserError(f"database {db} of task {task.get('id')!r} does not exist; check --data-dir")
-    outcome, predicted = sql_outcome(db, extract_sql(rollout.get("final_output")), timeout_s)
+    outcome, predicted = sql_outcome(db, final_sql(rollout), timeout_s)
     if outcome != "executes":
         return SHAPED[outcome]
     gold = run_query(db, gold_sql, timeout_s)
