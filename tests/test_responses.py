@@ -329,3 +329,29 @@ def test_a_refused_chat_request_still_names_a_responses_parameter():
     with pytest.raises(BadRequest) as info:
         responses.check_responses({"input": "x", "top_logprobs": 99})
     assert info.value.param == "top_logprobs"
+
+
+def test_a_responses_request_names_the_llm_span_around_it_in_a_traceparent(serve):
+    """The distro's hook (capture/responses_context.py): the record's parent is the LLM span current while the
+    request was sent (the Agents SDK's openai.response); another current span is not named."""
+    openai = pytest.importorskip("openai")
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from lightning_otel.capture import responses_context
+
+    responses_context.install()  # openai is imported: its Responses methods are wrapped now
+    gateway, _, spans = serve(["a", "b", "c"])
+    client = openai.OpenAI(base_url=gateway.base_url("ro-tp"), api_key="k")
+    tracer = TracerProvider().get_tracer("agent")
+    with tracer.start_as_current_span("openai.response", attributes={"gen_ai.operation.name": "chat"}) as llm:
+        client.responses.create(model="m", input="x")
+        client.responses.create(model="m", input="x", extra_headers={"traceparent": "00-" + "1" * 32 + "-"
+                                                                     + "2" * 16 + "-01"})
+    with tracer.start_as_current_span("calculator.agent", attributes={"gen_ai.operation.name": "invoke_agent"}):
+        client.responses.create(model="m", input="x")
+    gateway.flush()
+    mine, theirs, none = [s for s in spans.get_finished_spans() if s.name == GENERATE_SPAN]
+    context = llm.get_span_context()
+    assert (mine.parent.trace_id, mine.parent.span_id) == (context.trace_id, context.span_id)
+    assert (theirs.parent.trace_id, theirs.parent.span_id) == (int("1" * 32, 16), int("2" * 16, 16))
+    assert none.parent is None
