@@ -271,7 +271,11 @@ def test_the_openai_sdk_parses_answers_streamed_and_not(serve):
     openai = pytest.importorskip("openai")
     text = "The answer is fifty-five."
     gateway, _, _ = serve([CALL, text, text, text])
-    client = openai.OpenAI(base_url=gateway.base_url("ro-sdk"), api_key="k")
+    with openai.OpenAI(base_url=gateway.base_url("ro-sdk"), api_key="k") as client:  # closed: no idle connection
+        check_answers(client, text)
+
+
+def check_answers(client, text: str) -> None:
     first = client.responses.create(model="gpt-4o", input="12 * 4 + 7?", tools=[TOOL], tool_choice="required")
     (call,) = first.output
     assert call.type == "function_call" and call.name == "calculate" and first.usage.total_tokens > 0
@@ -290,8 +294,10 @@ def test_the_openai_sdk_parses_answers_streamed_and_not(serve):
 
 
 def run_agent(base_url: str, streamed: bool) -> str:
-    """The Agents SDK's default provider (OpenAIProvider: the Responses API) on the calculator tool."""
+    """The Agents SDK's default provider (MultiProvider: the Responses API) on the calculator tool, with a
+    client of its own (the provider's default client shares one connection pool across the process)."""
     agents = pytest.importorskip("agents")
+    import openai
 
     @agents.function_tool
     def calculate(expression: str) -> str:
@@ -300,10 +306,13 @@ def run_agent(base_url: str, streamed: bool) -> str:
 
     agent = agents.Agent(name="calculator", instructions="Use the tool.", tools=[calculate], model="gpt-4o",
                          model_settings=agents.ModelSettings(max_tokens=64, tool_choice="required"))
-    config = agents.RunConfig(model_provider=agents.OpenAIProvider(base_url=base_url, api_key="k"),
-                              tracing_disabled=True)
 
     async def go() -> str:
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="k") as client:
+            config = agents.RunConfig(model_provider=agents.MultiProvider(openai_client=client), tracing_disabled=True)
+            return await steps(config)
+
+    async def steps(config) -> str:
         if not streamed:
             return (await agents.Runner.run(agent, "12 * 4 + 7?", run_config=config, max_turns=3)).final_output
         result = agents.Runner.run_streamed(agent, "12 * 4 + 7?", run_config=config, max_turns=3)
@@ -341,14 +350,14 @@ def test_a_responses_request_names_the_llm_span_around_it_in_a_traceparent(serve
 
     responses_context.install()  # openai is imported: its Responses methods are wrapped now
     gateway, _, spans = serve(["a", "b", "c"])
-    client = openai.OpenAI(base_url=gateway.base_url("ro-tp"), api_key="k")
     tracer = TracerProvider().get_tracer("agent")
-    with tracer.start_as_current_span("openai.response", attributes={"gen_ai.operation.name": "chat"}) as llm:
-        client.responses.create(model="m", input="x")
-        client.responses.create(model="m", input="x", extra_headers={"traceparent": "00-" + "1" * 32 + "-"
-                                                                     + "2" * 16 + "-01"})
-    with tracer.start_as_current_span("calculator.agent", attributes={"gen_ai.operation.name": "invoke_agent"}):
-        client.responses.create(model="m", input="x")
+    with openai.OpenAI(base_url=gateway.base_url("ro-tp"), api_key="k") as client:
+        with tracer.start_as_current_span("openai.response", attributes={"gen_ai.operation.name": "chat"}) as llm:
+            client.responses.create(model="m", input="x")
+            client.responses.create(model="m", input="x", extra_headers={"traceparent": "00-" + "1" * 32 + "-"
+                                                                         + "2" * 16 + "-01"})
+        with tracer.start_as_current_span("calculator.agent", attributes={"gen_ai.operation.name": "invoke_agent"}):
+            client.responses.create(model="m", input="x")
     gateway.flush()
     mine, theirs, none = [s for s in spans.get_finished_spans() if s.name == GENERATE_SPAN]
     context = llm.get_span_context()
