@@ -1,10 +1,13 @@
 """The OpenAI Agents SDK example (examples/openai_agents_math), unchanged, against the gateway over the real
 engine (bundled SmolLM2-135M): traced by the SDK's own OpenTelemetry instrumentation, as an agent function in
-the worker process and as a script under opentelemetry-instrument.
+the worker process and as a script under opentelemetry-instrument, run and streamed (Runner.run_streamed).
 
-The SDK's span around each model call (openai.response) and the OpenAI SDK's own (openai.chat) both record one
-request: the trajectory has it once, joined to its one token record. The agent asks for tool_choice
-"required", which the gateway keeps for a model without native tools by opening the call in the prompt.
+The agent uses the SDK's default model provider: Responses API calls (/v1/responses). The SDK's span around
+each model call (openai.response, from the openai-agents instrumentation) and the OpenAI instrumentation's
+(openai.response too, under it; none for a streamed call, which the SDK makes through with_streaming_response)
+record one request: the trajectory has it once, joined to its one token record, whose parent is the SDK's span
+(the distro adds the traceparent to Responses requests). The agent asks for tool_choice "required", which the
+gateway keeps for a model without native tools by opening the call in the prompt.
 The model is weak: the assertions hold whatever it answers.
 """
 from __future__ import annotations
@@ -78,16 +81,22 @@ def test_the_shaped_reward_reads_the_tool_call_from_the_spans():
     assert math_reward.shaped({}, {"final_output": "55"}) is None
 
 
-def check_rollout(db: Path, rollout_id: str, tokenizer) -> list[dict]:
-    """The rollout's spans and its trajectory: each request once, each with its token record."""
+def check_rollout(db: Path, rollout_id: str, tokenizer, streamed: bool = False) -> list[dict]:
+    """The rollout's spans and its trajectory: each request once, each with its token record, which names the
+    SDK's LLM span through the traceparent."""
     names = set(client.query(f"SELECT DISTINCT name FROM spans WHERE rollout_id = '{rollout_id}'", db)["name"])
-    assert {"Agent Workflow", "calculator.agent", "openai.response", "openai.chat"} <= names, names
-    calls = client.query(f"SELECT * FROM trajectory_calls WHERE rollout_id = '{rollout_id}' ORDER BY turn",
-                         db).to_dicts()
-    served = client.query(f"SELECT count(*) AS n FROM generations WHERE rollout_id = '{rollout_id}'", db)["n"][0]
+    assert {"Agent Workflow", "calculator.agent", "openai.response"} <= names and "openai.chat" not in names, names
+    calls = client.query(f"SELECT t.*, s.status_code FROM trajectory_calls t JOIN spans s ON s.trace_id = t.trace_id "
+                         f"AND s.span_id = t.span_id WHERE t.rollout_id = '{rollout_id}' ORDER BY turn", db).to_dicts()
+    served = client.query(f"SELECT count(*) AS n, count(llm_span_id) AS named FROM generations "
+                          f"WHERE rollout_id = '{rollout_id}'", db).to_dicts()[0]
     raw = client.query(f"SELECT count(*) AS n FROM llm_calls WHERE rollout_id = '{rollout_id}'", db)["n"][0]
-    assert calls and len(calls) == served and raw == 2 * served, (len(calls), served, raw)
-    assert all(c["record_span_id"] and c["duplicates"] == 1 and c["agent"] == "calculator" for c in calls), calls
+    assert calls and len(calls) == served["n"] == served["named"], (len(calls), served)
+    assert raw == sum(1 + c["duplicates"] for c in calls), (raw, calls)
+    # The OpenAI instrumentation records a completed response only: an incomplete one (cut at max tokens, which
+    # the SDK raises as an error on its own span) and a streamed one have the SDK's span alone.
+    assert all(c["duplicates"] == (0 if streamed or c["status_code"] == "ERROR" else 1) for c in calls), calls
+    assert all(c["record_span_id"] and c["agent"] == "calculator" for c in calls), calls
     first = tokenizer.decode(calls[0]["prompt_ids"])
     assert first.endswith(FORCED) and "<tools>" in first and '"calculate"' in first
     tools = client.query(f"SELECT attributes FROM spans WHERE rollout_id = '{rollout_id}' AND "
@@ -151,15 +160,49 @@ def test_eval_scores_the_math_agent_with_the_math_pack(engine, tmp_path):
     assert summary["transitions_per_episode"]["mean"] >= 1
 
 
+# The example's agent, streamed: Runner.run_streamed, every event read (the SDK's default provider streams the
+# Responses API events the gateway makes from the finished generation).
+STREAMED = """
+import asyncio, sys
+sys.path.insert(0, {folder!r})
+from agents import Runner
+from agents.exceptions import AgentsException
+from agent import MAX_TURNS, make_agent
+
+async def main(question):
+    result = Runner.run_streamed(make_agent("policy"), question, max_turns=MAX_TURNS)
+    kinds = set()
+    try:
+        async for event in result.stream_events():
+            kinds.add(event.type)
+    except AgentsException as exc:  # a reply cut at max tokens (incomplete), or too many turns
+        print(f"no answer: {{type(exc).__name__}}")
+    print(sorted(kinds))
+    print(" ".join(str(result.final_output).split()))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
 @pytest.mark.heavy
-def test_the_unchanged_script_under_opentelemetry_instrument(gateway, collector, db_path, tokenizer, tmp_path):
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_the_unchanged_script_under_opentelemetry_instrument(gateway, collector, db_path, tokenizer, tmp_path,
+                                                             streamed):
+    rollout_id = f"ro-agents-{int(streamed)}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "LIGHTNING_OTEL_", "OPENAI_"))}
-    env.update({"OPENAI_BASE_URL": gateway.base_url("ro-agents"), "OPENAI_API_KEY": "k",
-                "LIGHTNING_OTEL_ENDPOINT": collector.url, "OTEL_RESOURCE_ATTRIBUTES": "lightning.rollout.id=ro-agents"})
+    env.update({"OPENAI_BASE_URL": gateway.base_url(rollout_id), "OPENAI_API_KEY": "k",
+                "LIGHTNING_OTEL_ENDPOINT": collector.url,
+                "OTEL_RESOURCE_ATTRIBUTES": f"lightning.rollout.id={rollout_id}"})
     question = problems.make("test", 1, 0)[0]["question"]
+    script = EXAMPLE / "agent.py"
+    if streamed:
+        script = tmp_path / "streamed.py"
+        script.write_text(STREAMED.format(folder=str(EXAMPLE)))
+    args = [question] if streamed else ["--question", question, "--model", "policy"]
     result = subprocess.run([str(Path(sys.executable).parent / "opentelemetry-instrument"), sys.executable,
-                             str(EXAMPLE / "agent.py"), "--question", question, "--model", "policy"],
-                            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                             str(script), *args], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    if streamed:
+        assert "'raw_response_event'" in result.stdout, result.stdout[-2000:]
     gateway.flush()
-    check_rollout(db_path, "ro-agents", tokenizer)
+    check_rollout(db_path, rollout_id, tokenizer, streamed)

@@ -7,8 +7,9 @@ It knows nothing of lightning-otel: the SDK's own OpenTelemetry instrumentation
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python agent.py --question "..." --model my-model
     # trained in process: lightning-otel train --agent examples/openai_agents_math/agent.py:run ...
 
-The agent sends chat completions (the Agents SDK's OpenAIChatCompletionsModel), offers one tool,
-`calculate(expression)`, and answers with its final message; the reward reads the last number in it.
+The agent uses the SDK's default model provider (the Responses API, on OPENAI_BASE_URL and OPENAI_API_KEY),
+offers one tool, `calculate(expression)`, and answers with its final message; the reward reads the last
+number in it.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import asyncio
 import operator
 import os
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool
+from agents import Agent, ModelSettings, MultiProvider, RunConfig, Runner, function_tool
 from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
@@ -70,25 +71,28 @@ def calculate(expression: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
-def make_agent(client: AsyncOpenAI, model: str) -> Agent:
-    return Agent(name="calculator", instructions=INSTRUCTIONS, tools=[calculate],
-                 model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+def make_agent(model: str) -> Agent:
+    return Agent(name="calculator", instructions=INSTRUCTIONS, tools=[calculate], model=model,
                  model_settings=ModelSettings(max_tokens=MAX_TOKENS, tool_choice=TOOL_CHOICE))
 
 
-async def solve(client: AsyncOpenAI, model: str, question: str) -> str:
+async def solve(model: str, question: str, run_config: RunConfig | None = None) -> str:
+    """The agent's run; `run_config` None is the SDK's default (its provider reads OPENAI_BASE_URL)."""
     try:
-        result = await Runner.run(make_agent(client, model), question, max_turns=MAX_TURNS)
-    except AgentsException as exc:  # e.g. MaxTurnsExceeded: the episode ends without an answer
+        result = await Runner.run(make_agent(model), question, max_turns=MAX_TURNS, run_config=run_config)
+    except AgentsException as exc:  # MaxTurnsExceeded; ModelBehaviorError for a reply cut at MAX_TOKENS (the
+        # Responses API calls it incomplete): the episode ends without an answer
         return f"no answer: {type(exc).__name__}"
     return " ".join(str(result.final_output).split())  # one line: the answer is what the reply says, all of it
 
 
 def run(task: dict, llm) -> str:
-    """Entry point for lightning-otel's in-process mode: `llm` has base_url, api_key and model."""
+    """Entry point for lightning-otel's in-process mode: `llm` has base_url, api_key and model. Many rollouts
+    share the process, each with its own base URL: the default provider gets this rollout's client."""
     async def go() -> str:
         async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key) as client:
-            return await solve(client, llm.model, task["question"])
+            config = RunConfig(model_provider=MultiProvider(openai_client=client))
+            return await solve(llm.model, task["question"], config)
     return asyncio.run(go())
 
 
@@ -97,7 +101,7 @@ def main() -> None:
     parser.add_argument("--question", required=True)
     parser.add_argument("--model", default=os.environ.get("LIGHTNING_MODEL", "gpt-4o-mini"))
     args = parser.parse_args()
-    print(asyncio.run(solve(AsyncOpenAI(), args.model, args.question)))
+    print(asyncio.run(solve(args.model, args.question)))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@
 
 It knows nothing of lightning-otel: the SDK's own OpenTelemetry instrumentation
 (opentelemetry-instrumentation-openai-agents) and the OpenAI one trace it under `opentelemetry-instrument`.
-Chat completions (OpenAIChatCompletionsModel) against any OpenAI-compatible endpoint (OPENAI_BASE_URL,
-OPENAI_API_KEY). The first answer must call the tool; at most three model calls. The last line of stdout is
-the final SQL: the query in the final answer, else the last one the agent ran (empty when there is none).
-`run(task, llm)` is the same agent as a function, for the runner's in-process mode.
+The SDK's default model provider (the Responses API) against any OpenAI-compatible endpoint that serves it
+(OPENAI_BASE_URL, OPENAI_API_KEY). The first answer must call the tool; at most three model calls. The last
+line of stdout is the final SQL: the query in the final answer, else the last one the agent ran (empty when
+there is none). `run(task, llm)` is the same agent as a function, for the runner's in-process mode.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import re
 import sqlite3
 import time
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool
+from agents import Agent, ModelSettings, MultiProvider, RunConfig, Runner, function_tool
 from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
@@ -65,17 +65,19 @@ def make_tool(db: str, executed: list[str]):
     return execute_sql
 
 
-async def answer(client: AsyncOpenAI, model: str, question: str, db: str, temperature: float = 0.7) -> str:
-    """The agent's run: returns the final SQL, printing the final answer."""
+async def answer(model: str, question: str, db: str, temperature: float = 0.7,
+                 run_config: RunConfig | None = None) -> str:
+    """The agent's run: returns the final SQL, printing the final answer. `run_config` None is the SDK's
+    default (its provider reads OPENAI_BASE_URL)."""
     executed: list[str] = []
     agent = Agent(name="sql_agent", instructions=INSTRUCTIONS.format(schema=read_schema(db)),
-                  tools=[make_tool(db, executed)],
-                  model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                  tools=[make_tool(db, executed)], model=model,
                   model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=temperature,
                                                tool_choice="required"))  # the SDK resets it after the call
     try:
-        final = str((await Runner.run(agent, question, max_turns=MAX_TURNS)).final_output)
-    except AgentsException as exc:  # e.g. MaxTurnsExceeded: the episode ends without a final answer
+        final = str((await Runner.run(agent, question, max_turns=MAX_TURNS, run_config=run_config)).final_output)
+    except AgentsException as exc:  # MaxTurnsExceeded; ModelBehaviorError for a reply cut at MAX_TOKENS (the
+        # Responses API calls it incomplete): the episode ends without a final answer
         final = f"no answer: {type(exc).__name__}"
     print(f"answer: {' '.join(final.split())}")
     answer_sql = extract_sql(final)
@@ -86,10 +88,12 @@ async def answer(client: AsyncOpenAI, model: str, question: str, db: str, temper
 
 def run(task: dict, llm) -> str:
     """Entry point for lightning-otel's in-process mode (`--agent examples/openai_agents_sql/agent.py:run`):
-    `task` has the question and db_path; `llm` any object with base_url, api_key and model."""
+    `task` has the question and db_path; `llm` any object with base_url, api_key and model. Many rollouts
+    share the process, each with its own base URL: the default provider gets this rollout's client."""
     async def go() -> str:
         async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key) as client:
-            return await answer(client, llm.model, task["question"], task["db_path"])
+            config = RunConfig(model_provider=MultiProvider(openai_client=client))
+            return await answer(llm.model, task["question"], task["db_path"], run_config=config)
     return asyncio.run(go())
 
 
@@ -100,7 +104,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-4o-mini")
     parser.add_argument("--temperature", type=float, default=0.7)
     args = parser.parse_args()
-    print(asyncio.run(answer(AsyncOpenAI(), args.model, args.question, args.db, args.temperature)))
+    print(asyncio.run(answer(args.model, args.question, args.db, args.temperature)))
 
 
 if __name__ == "__main__":

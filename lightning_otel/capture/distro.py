@@ -5,7 +5,8 @@ and `opentelemetry_post_instrument` entry points. It fixes the stock distro's de
 logs exporters on), sends traces over OTLP/HTTP protobuf to the lightning-otel collector
 (`LIGHTNING_OTEL_ENDPOINT`, default http://127.0.0.1:4318) besides any exporter the user configured,
 captures message content, copies `lightning.*` baggage onto spans, redacts content by pattern before
-anything leaves the process, and says on stderr when an installed instrumentor failed to load.
+anything leaves the process, makes OpenAI Responses API requests carry the traceparent (responses_context.py),
+and says on stderr when an installed instrumentor failed to load.
 `LIGHTNING_OTEL_INSTRUMENTATIONS=openai` (comma-separated entry-point names) loads only those
 instrumentations: the stock loader imports every installed one and the library it instruments, seconds per
 process for LangChain and CrewAI, which an agent on the plain SDK does not need.
@@ -28,6 +29,8 @@ from opentelemetry.instrumentation.distro import BaseDistro
 from opentelemetry.sdk._configuration import _OTelSDKConfigurator
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from lightning_otel.capture import responses_context
 
 ENDPOINT_ENV = "LIGHTNING_OTEL_ENDPOINT"
 TOKEN_ENV = "LIGHTNING_OTEL_TOKEN"
@@ -171,6 +174,7 @@ def _export_processor(exporter: SpanExporter) -> SpanProcessor:
 class LightningDistro(BaseDistro):
     def _configure(self, **kwargs) -> None:
         apply_env_defaults(os.environ)
+        responses_context.install()  # Responses API requests carry the traceparent, as chat requests do
 
 
 class LightningConfigurator(_OTelSDKConfigurator):

@@ -2,9 +2,9 @@
 it returns, the exact prompt and completion token ids and sampling logprobs as a `lightning.generate`
 span whose parent is the client's LLM span (named by the request's W3C `traceparent`).
 
-Routes: POST /v1/chat/completions, /v1/completions, GET /v1/models, each also under /r/<rollout_id>/
-(the runner points each agent at its own prefix). Any model name is served by the current policy, so
-scripts that hard-code `gpt-4o` run unchanged. While the temperature is forced (training rollouts), request
+Routes: POST /v1/chat/completions, /v1/responses, /v1/completions, GET /v1/models, each also under
+/r/<rollout_id>/ (the runner points each agent at its own prefix). Any model name is served by the current
+policy, so scripts that hard-code `gpt-4o` run unchanged. While the temperature is forced (training rollouts), request
 parameters that sample from another distribution than softmax(logits / T) (penalties, logit_bias, guided
 decoding, ...: request_checks.OFF_POLICY_NEUTRAL) are stripped and listed in the record, or refused
 (`off_policy_params`).
@@ -13,6 +13,8 @@ syntax (Hermes style by default) is parsed into OpenAI `tool_calls`; when the mo
 render tools, tools and tool messages are rendered into the prompt in that same syntax, and `tool_choice`
 "required" or a named function opens the call at the end of the prompt for the model to continue ("none"
 renders no tools).
+The Responses API (/v1/responses) is translated to a chat call and back (responses.py), streamed or not: its
+record is a chat call's, under the response's own id ("resp_..."), which the client's LLM spans carry too.
 
 Scripted rollouts (`script()`): the calls of one rollout are answered, in order, with given texts instead of
 samples, so an agent can be walked along a labelled path (the SFT warm start's demonstrations). The engine
@@ -43,6 +45,7 @@ from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
 from lightning_otel.serve.engine import Engine, EngineError
+from lightning_otel.serve import responses
 from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_completion,
                                                  check_rollout_id, forced_tool, off_policy_params, parse_body)
 from lightning_otel.serve.toolcalls import ToolFormat, tool_format
@@ -78,6 +81,8 @@ class GatewayConfig:
     # "strip" (default: agents send penalties or response_format from their own config, and an unchanged agent
     # must keep running) drops them and lists them in the record; "refuse" answers 400 naming them.
     off_policy_params: str = "strip"
+    # Responses API: how many recent responses' conversations are kept in memory for previous_response_id.
+    stored_responses: int = 4096
 
     def __post_init__(self) -> None:
         try:
@@ -89,6 +94,8 @@ class GatewayConfig:
         if self.off_policy_params not in OFF_POLICY_MODES:
             raise UserError(f"off_policy_params {self.off_policy_params!r}: choose \"strip\" (drop them and say so "
                             "in the record) or \"refuse\" (answer 400)")
+        if not (isinstance(self.stored_responses, int) and self.stored_responses >= 0):
+            raise UserError(f"stored_responses={self.stored_responses!r}: give a count of responses (0 keeps none)")
 
 
 def template_renders_tools(model_dir: Path) -> bool:
@@ -118,6 +125,7 @@ class Gateway:
         self._scripts: dict[str, list[str]] = {}
         self._calls_lock = threading.Lock()
         self._warned: set[str] = set()  # off-policy parameters already logged once
+        self.responses = responses.ResponseStore(config.stored_responses)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.server.serve_forever, name="gateway-http", daemon=True)
@@ -196,7 +204,7 @@ class Gateway:
 
     # ---- chat completions ------------------------------------------------------------------------------
 
-    def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
+    def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None, response_id: str | None = None) -> dict:
         check_chat(body, self.config.max_n)
         stripped = self._off_policy(body, rollout_id)  # before counting: a refused call is not one
         scripted = self._count_call(rollout_id)
@@ -224,6 +232,7 @@ class Gateway:
         result = self.engine.generate("/v1/chat/completions", upstream)
         ended = time.time_ns()
         prompt_ids = result.get("prompt_token_ids") or []
+        response_id = response_id or result.get("id")  # a Responses call is recorded under its own id
         choices = []
         for choice in result.get("choices", []):
             content = prefix + ((choice.get("message") or {}).get("content") or "")
@@ -239,12 +248,17 @@ class Gateway:
             out = {"index": choice.get("index", len(choices)), "message": message, "finish_reason": finish,
                    "logprobs": choice.get("logprobs") if body.get("logprobs") else None}
             choices.append(out)
-            self._record(headers, rollout_id, requested_model, result.get("id"), out["index"], prompt_ids,
+            self._record(headers, rollout_id, requested_model, response_id, out["index"], prompt_ids,
                          choice.get("token_ids") or [], token_logprobs, started, ended, scripted, stripped)
         pieces = [[scripted] if scripted is not None else _pieces(c) for c in result.get("choices", [])]
-        return {"id": result.get("id") or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+        return {"id": response_id or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": requested_model, "choices": choices,
                 "usage": _usage(result), "_token_pieces": pieces}
+
+    def respond(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
+        """POST /v1/responses: the Responses API over chat(), recorded under the response's id."""
+        return responses.answer(body, self.responses,
+                                lambda chat_body, response_id: self.chat(chat_body, headers, rollout_id, response_id))
 
     # ---- legacy completions ----------------------------------------------------------------------------
 
@@ -430,6 +444,12 @@ class _Handler(KeepAliveHandler):
                 if body.get("stream"):
                     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                     return self._send(200, "text/event-stream", _stream_events(response, include_usage))
+                response.pop("_token_pieces", None)
+                return self._json(200, response)
+            if path in ("/v1/responses", "/responses"):
+                response = gateway.respond(body, headers, rollout_id)
+                if body.get("stream"):
+                    return self._send(200, "text/event-stream", responses.stream_events(response))
                 response.pop("_token_pieces", None)
                 return self._json(200, response)
             if path in ("/v1/completions", "/completions"):
