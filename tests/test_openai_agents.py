@@ -4,7 +4,8 @@ the worker process and as a script under opentelemetry-instrument.
 
 The SDK's span around each model call (openai.response) and the OpenAI SDK's own (openai.chat) both record one
 request: the trajectory has it once, joined to its one token record. The agent asks for tool_choice
-"required", which the gateway keeps for a model without native tools by opening the call in the prompt.
+"required" with its one tool, which the gateway keeps for a model without native tools by opening a call of
+that tool in the prompt.
 The model is weak: the assertions hold whatever it answers.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ EXAMPLE = REPO / "examples" / "openai_agents_math"
 problems = example_module("openai_agents_math", "problems")
 math_reward = example_module("openai_agents_math", "reward")
 
-FORCED = '<tool_call>\n{"name": "'
+FORCED = '<tool_call>\n{"name": "calculate", "arguments": '  # "required" with one tool offered: a call of it
 
 
 def test_problems_keep_train_and_test_apart_and_are_reproducible():
