@@ -153,8 +153,9 @@ CALLED = json.dumps([{"role": "assistant", "finish_reason": "tool_call", "parts"
 
 
 def forced_call_rows(forced_prefix: str | None) -> pl.DataFrame:
-    return pl.DataFrame({"trace_id": ["t"], "span_id": ["s"], "system_instructions": [None], "input_messages": [ASKED],
-                         "output_messages": [CALLED], "tool_definitions": [TOOL_PARTS], "forced_prefix": [forced_prefix]},
+    return pl.DataFrame({"trace_id": ["t"], "span_id": ["s"], "system_instructions": [None],
+                         "input_messages": [ASKED], "output_messages": [CALLED], "tool_definitions": [TOOL_PARTS],
+                         "forced_prefix": [forced_prefix]},
                         schema_overrides={"system_instructions": pl.String, "forced_prefix": pl.String})
 
 
@@ -171,12 +172,11 @@ def test_a_forced_opening_is_retokenised_as_prompt_and_counted_apart_from_drift(
     assert chat_tokenizer.completion_text(answer, opening) == '{"query": "SELECT 1"}}\n</tool_call>'
     assert chat_tokenizer.completion_text(answer).startswith(opening)
     # The engine's ids for such a call: prompt up to and with the opening, completion what the policy wrote.
-    tok = chat_tokenizer.tokenizer
+    ids = lambda text: chat_tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     engine = pl.DataFrame({
         "trace_id": ["t"], "span_id": ["s"], "forced_prefix": [opening],
-        "prompt_ids": [tok(chat_tokenizer.prompt_text(messages, tools, opening), add_special_tokens=False)["input_ids"]],
-        "completion_ids": [tok('{"query": "SELECT 1"}}\n</tool_call>', add_special_tokens=False)["input_ids"]
-                           + [tok.eos_token_id]]})
+        "prompt_ids": [ids(chat_tokenizer.prompt_text(messages, tools, opening))],
+        "completion_ids": [ids('{"query": "SELECT 1"}}\n</tool_call>') + [chat_tokenizer.tokenizer.eos_token_id]]})
     measured = measure_drift(engine, chat_tokenizer.encode(forced_call_rows(opening)))
     assert (measured.calls, measured.prompt_differs, measured.completion_differs) == (1, 0.0, 0.0)
     assert (measured.forced, measured.forced_differ) == (1, 0)
