@@ -52,6 +52,7 @@ class EvalConfig:
     concurrency: int = 2
     rollout_timeout_s: float = 300.0     # seconds one rollout may run before it is killed
     engine_python: str | None = None     # Python that runs vLLM; default: the project's engine venv
+    chat_template: Path | None = None    # a Jinja chat template file the gateway renders with (the model's own: None)
 
     def __post_init__(self) -> None:
         self.tasks, self.report = Path(self.tasks), Path(self.report)
@@ -99,7 +100,8 @@ def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
                                    concurrency=config.concurrency, db=config.db, reward=config.reward,
                                    task_pack=config.task_pack,
                                    data_dir=config.data_dir, rollout_timeout_s=config.rollout_timeout_s,
-                                   max_tokens=config.max_tokens, temperature=config.temperature)
+                                   max_tokens=config.max_tokens, temperature=config.temperature,
+                                   chat_template=config.chat_template)
     tasks = load_tasks(config.tasks)
     check_inputs(rollout_config, tasks)  # bad tasks or commands fail before an engine starts
     baseline = read_summary(config.baseline) if config.baseline else None

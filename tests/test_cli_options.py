@@ -51,3 +51,24 @@ def test_rollout_takes_the_sampling_settings_and_refuses_them_for_an_outside_end
                                  "http://127.0.0.1:9/v1", "--max-tokens", "64"])
     with pytest.raises(UserError, match="max_tokens and temperature"):
         cmd_rollout(outside)
+
+
+def test_the_chat_template_option_is_one_file_everywhere(tmp_path):
+    from pathlib import Path
+
+    from lightning_otel.rollouts.runner import RolloutConfig
+    from lightning_otel.train.config import TrainConfig
+
+    parser = build_parser()
+    for command, rest in [*COMMANDS.items(), ("serve", ["base"]), ("compile", ["--out", "o.parquet"])]:
+        assert parser.parse_args([command, *rest, "--chat-template", "t.jinja"]).chat_template == Path("t.jinja")
+        assert parser.parse_args([command, *rest]).chat_template is None
+    template = tmp_path / "t.jinja"
+    with pytest.raises(UserError, match="no such file"):
+        RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", chat_template=template)
+    with pytest.raises(UserError, match="no such file"):
+        TrainConfig(chat_template=str(template))
+    template.write_text("{{ messages }}")
+    with pytest.raises(UserError, match="applied by the gateway"):
+        RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", chat_template=template, base_url="http://127.0.0.1:9/v1")
+    assert RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", chat_template=str(template)).chat_template == template

@@ -35,15 +35,16 @@ FRAMEWORKS = {
 }
 # Frameworks whose own LLM span wraps the openai SDK's span of the same request (openai.response, chat <model>)
 WRAPPING = {"openai_agents_sql", "agent_framework_sql"}
-FORCED = '<tool_call>\n{"name": "'  # the opening of a tool call the gateway writes for tool_choice "required"
-
 # Each request once (trajectory_calls), with the token record joined to it (the traceparent may name the
 # framework's span around the kept one: the Agents SDK's openai.response around the OpenAI SDK's).
+# `forced`: the opening of a tool call the gateway wrote into the prompt (tool_choice "required").
 CALLS = """
 SELECT t.turn, c.name, t.agent, t.duplicates, c.status_code, c.output_messages, count(g.span_id) AS records,
-       any_value(g.completion_ids) AS completion_ids, any_value(g.prompt_ids) AS prompt_ids
+       any_value(g.completion_ids) AS completion_ids, any_value(g.prompt_ids) AS prompt_ids,
+       any_value(json_extract_string(s.attributes, '$."lightning.prompt.forced_prefix"')) AS forced
 FROM trajectory_calls t JOIN llm_calls c ON c.trace_id = t.trace_id AND c.span_id = t.span_id
 LEFT JOIN generations g ON g.trace_id = t.record_trace_id AND g.span_id = t.record_span_id
+LEFT JOIN spans s ON s.trace_id = g.trace_id AND s.span_id = g.span_id
 WHERE t.rollout_id = '{rollout_id}'
 GROUP BY ALL ORDER BY t.turn"""
 
@@ -121,10 +122,11 @@ def test_example_agent_calls_join_token_records(name, gateway, collector, db_pat
     for call in [c for c, x in zip(calls, cut) if not x]:  # a cut answer never reached the agent
         text, tool_calls = received_text(call["output_messages"])
         decoded = tokenizer.decode(call["completion_ids"], skip_special_tokens=True)
-        if tokenizer.decode(call["prompt_ids"]).endswith(FORCED):
+        if call["forced"]:
             # tool_choice "required" (Agents SDK, Agent Framework): the gateway opened the call in the prompt,
             # and the answer is read as that opening followed by what the model wrote.
-            decoded = FORCED + decoded
+            assert tokenizer.decode(call["prompt_ids"]).endswith(call["forced"])
+            decoded = call["forced"] + decoded
         if tool_calls:
             # The gateway turned the model's <tool_call> blocks into OpenAI tool_calls: the agent got the
             # text before the first block (stripped) as content, and each call's name and arguments.

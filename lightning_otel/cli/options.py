@@ -14,6 +14,12 @@ def add_db(parser: argparse.ArgumentParser) -> None:
                         help=f"DuckDB trace store file (default: {DEFAULT_DB})")
 
 
+def add_chat_template(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--chat-template", type=Path, metavar="FILE",
+                        help=f"a Jinja chat template that {what} instead of the model's own (one that renders "
+                             "`tools`, like Qwen's, shows the model its tools natively; docs/rollouts.md)")
+
+
 def add_task_pack(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--reward", required=required,
                         help="reward function: a name a task pack registers (spider_exec, spider_shaped, "

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from lightning_otel.cli.options import add_chat_template
+
 
 def cmd_export_policy(args: argparse.Namespace) -> int:
     from lightning_otel.train.checkpoints import export_policy
@@ -21,7 +23,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"serving {args.model} at {url} (OpenAI-compatible; any model name). Ctrl-C stops.", flush=True)
         print(f"  OPENAI_BASE_URL={url} OPENAI_API_KEY=any python your_agent.py", flush=True)
 
-    serve_policy(args.model, port=args.port, db=args.db, ready=ready)
+    serve_policy(args.model, port=args.port, db=args.db, ready=ready, chat_template=args.chat_template)
     return 0
 
 
@@ -38,4 +40,5 @@ def register(sub) -> None:
     p.add_argument("model", help="base, a training run folder, a checkpoint, an adapter or a model folder")
     p.add_argument("--port", type=int, default=8000, help="gateway port on 127.0.0.1 (default: 8000)")
     p.add_argument("--db", type=Path, help="record the served calls in this trace store")
+    add_chat_template(p, "the gateway renders prompts with")
     p.set_defaults(func=cmd_serve)

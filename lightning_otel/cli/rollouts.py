@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_otel.cli.options import add_db, add_rollout_timeout, add_samples, add_task_pack
+from lightning_otel.cli.options import add_chat_template, add_db, add_rollout_timeout, add_samples, add_task_pack
 from lightning_otel.cli.render import Progress
 
 
@@ -15,7 +15,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                            base_url=args.base_url, api_key=args.api_key, model=args.model,
                            model_name=args.model_name, reward=args.reward, task_pack=args.task_pack,
                            data_dir=args.data_dir, rollout_timeout_s=args.rollout_timeout,
-                           max_tokens=args.max_tokens, temperature=args.temperature)
+                           max_tokens=args.max_tokens, temperature=args.temperature,
+                           chat_template=args.chat_template)
     summary = run_rollouts(config, progress=Progress("rollouts").update)
     print(f"{len(summary.results)} rollouts: {summary.count('ok')} ok, {summary.count('failed')} failed, "
           f"{summary.count('timeout')} timed out, {summary.count('error')} could not start")
@@ -53,6 +54,7 @@ def register(sub) -> None:
                                                   "request asks, and 512 for a request that names no max_tokens)")
     p.add_argument("--temperature", type=float, help="sample every request at this temperature, whatever the agent "
                                                      "asks (default: each request's own)")
+    add_chat_template(p, "the gateway renders --model's prompts with")
     add_task_pack(p, required=False)
     add_rollout_timeout(p)
     p.set_defaults(func=cmd_rollout)

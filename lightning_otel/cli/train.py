@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from lightning_otel.cli.options import DeprecatedAlias, add_db
+from lightning_otel.cli.options import DeprecatedAlias, add_chat_template, add_db
 from lightning_otel.cli.render import StepProgress
 from lightning_otel.errors import UserError
 from lightning_otel.train.transitions.credit import ADVANTAGE_ALIASES, ADVANTAGES
@@ -20,7 +20,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                                        advantage=args.advantage, agents=args.agents,
                                                        intermediate=args.intermediate or [],
                                                        turn_weight=args.turn_weight, merge_turns=args.merge_turns,
-                                                       model=model, max_length=args.max_length, drift=args.drift))
+                                                       model=model, max_length=args.max_length, drift=args.drift,
+                                                       chat_template=args.chat_template))
     frame.write_parquet(args.out)
     per_episode = f" ({account.transitions_per_episode:.2f} per episode)" if account.compiled_rollouts else ""
     print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts"
@@ -134,6 +135,7 @@ def register(sub) -> None:
                    help="exclude rollouts with a call longer than this (prompt + completion tokens)")
     p.add_argument("--drift", action="store_true",
                    help="also re-tokenise calls that have a token record and report how often the ids differ")
+    add_chat_template(p, "the gateway rendered prompts with (re-tokenising renders with it too)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("train", help="train the agent's policy: rounds of rollout and GRPO, or --offline",

@@ -88,6 +88,7 @@ class RolloutConfig:
     temperature: float | None = None  # sampling temperature forced on every request through the gateway
     max_calls: int | None = None  # model calls per rollout through the gateway; later ones are refused
     answers: list[str] | None = None  # scripted answers, one template per model call (module docstring)
+    chat_template: Path | None = None  # a Jinja chat template file the gateway renders prompts with
 
     def __post_init__(self) -> None:
         self.tasks, self.db = Path(self.tasks), Path(self.db)
@@ -116,6 +117,13 @@ class RolloutConfig:
         if self.base_url is not None and (self.max_tokens is not None or self.temperature is not None):
             raise UserError("max_tokens and temperature are applied by the gateway that serves model; an outside "
                             "base_url samples as each request asks: leave them out, or serve the policy here")
+        if self.chat_template is not None:
+            self.chat_template = Path(self.chat_template)
+            if self.base_url is not None:
+                raise UserError("chat_template is applied by the gateway that serves model; an outside base_url "
+                                "renders prompts its own way: leave it out, or serve the policy here")
+            if not self.chat_template.is_file():
+                raise UserError(f"chat_template {self.chat_template}: no such file; give a Jinja chat template file")
         if self.base_url is not None and self.model is not None:
             raise UserError("give model (served here through the gateway) or base_url (an outside "
                             "OpenAI-compatible server, no token records), not both")
@@ -487,17 +495,19 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
     """The gateway over `engine`, or over a vLLM engine started here serving config.model: a policy as eval and
     serve take it (the bundled model by default, a run folder's best checkpoint, a checkpoint, an adapter or a
     model folder: lightning_otel.serve.policy)."""
+    from lightning_otel.serve.chat_tools import read_chat_template, template_renders_tools
     from lightning_otel.serve.engine import default_engine_python
-    from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
     from lightning_otel.serve.policy import resolve_policy
     from lightning_otel.serve.serving import engine_for_policy
 
     if engine is None:
         python = default_engine_python()
         engine = engine_for_policy(resolve_policy(config.model or "base", python), None, owned, python)
+    template = read_chat_template(config.chat_template) if config.chat_template is not None else None
     gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url,
-                                            collector_token=collector_info.ingest_token,
-                                            native_tools=template_renders_tools(engine.config.model_dir),
+                                            collector_token=collector_info.ingest_token, chat_template=template,
+                                            native_tools=template_renders_tools(engine.config.model_dir, template),
                                             max_tokens_cap=config.max_tokens, temperature=config.temperature,
                                             max_calls_per_rollout=config.max_calls))
     gateway.start()

@@ -46,6 +46,11 @@ class Engine(Protocol):
 
     def generate(self, path: str, body: dict, timeout: float = 600) -> dict: ...
 
+    def tokenize_chat(self, body: dict, timeout: float = 60) -> dict:
+        """The prompt ids a chat request (messages, tools, chat_template, ...) renders to, without generating:
+        the gateway asks this after a refusal, to tell a template that cannot render from other errors."""
+        ...
+
 
 class PolicyEngine(Engine, Protocol):
     """An engine the trainer, the evaluator and the runner own: started and stopped, moved between policies
@@ -238,6 +243,9 @@ class VLLMEngine:
                 # Record the logprobs of the distribution each token was sampled from (after temperature):
                 # the trainer computes its own at the same temperature (train/batch.completion_logprobs).
                 "--logprobs-mode", "processed_logprobs",
+                # The gateway's chat_template option reaches vLLM as the request-level chat_template; the gateway
+                # refuses templates from agent requests, so only its own is ever sent.
+                "--trust-request-chat-template",
                 *(["--enable-sleep-mode"] if c.sleep_mode else []),
                 *(["--gpu-memory-utilization", f"{c.gpu_memory_utilization:g}"] if c.gpu_memory_utilization else []),
                 *c.extra_args]
@@ -270,7 +278,8 @@ class VLLMEngine:
 
     def attach(self, url: str) -> None:
         """Use a vLLM OpenAI server started elsewhere (on this machine: adapters are loaded by path), with
-        --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. Its base model is the one it lists first."""
+        --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and --trust-request-chat-template when the
+        gateway is given a chat_template. Its base model is the one it lists first."""
         self.url = url.rstrip("/").removesuffix("/v1")
         try:
             with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as response:
@@ -328,6 +337,9 @@ class VLLMEngine:
             upstream["logprobs"] = 0
         upstream.pop("stream_options", None)
         return self._post(path, upstream, timeout)
+
+    def tokenize_chat(self, body: dict, timeout: float = 60) -> dict:
+        return self._post("/tokenize", {**body, "model": self.model_name}, timeout)
 
     def update_weights(self, adapter_dir: Path, version: int) -> None:
         """Serve a LoRA adapter as the new policy; requests after this call use it."""

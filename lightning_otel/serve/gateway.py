@@ -8,11 +8,17 @@ policy, so scripts that hard-code `gpt-4o` run unchanged. While the temperature 
 parameters that sample from another distribution than softmax(logits / T) (penalties, logit_bias, guided
 decoding, ...: request_checks.OFF_POLICY_NEUTRAL) are stripped and listed in the record, or refused
 (`off_policy_params`).
-Streaming is served from the finished generation, one SSE chunk per token. Tools: the model's tool-call
-syntax (Hermes style by default) is parsed into OpenAI `tool_calls`; when the model's chat template cannot
-render tools, tools and tool messages are rendered into the prompt in that same syntax, and `tool_choice`
-"required" or a named function opens the call at the end of the prompt for the model to continue ("none"
-renders no tools).
+Streaming is served from the finished generation, one SSE chunk per token (tool calls in one chunk).
+
+Tools (chat_tools.py): the gateway parses calls out of the generated text in the model's call syntax (Hermes
+by default) into OpenAI `tool_calls` (an offered tool, arguments a JSON object; anything else stays text).
+A chat template that renders `tools` (the model's, or `GatewayConfig.chat_template`, sent as vLLM's
+request-level chat_template) gets them as OpenAI `tools` with vLLM's tool_choice "none"; for one that cannot,
+tools and tool messages are rendered into the messages in the call syntax. `tool_choice` is the gateway's:
+"required" or a named function opens the call at the end of the prompt for the policy to continue (with
+several tools offered, a short generation constrained to their names picks one first), "none" shows no
+tools. The opening is prompt in the record (`lightning.prompt.forced_prefix`), never completion.
+
 The Responses API (/v1/responses) is translated to a chat call and back (responses.py), streamed or not: its
 record is a chat call's, under the response's own id ("resp_..."), which the client's LLM spans carry too.
 
@@ -32,7 +38,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from opentelemetry.propagate import extract
@@ -44,15 +49,18 @@ from opentelemetry.trace import SpanKind
 from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
+from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choice, plan_tools, renders_tools,
+                                             with_opening)
 from lightning_otel.serve.engine import Engine, EngineError
 from lightning_otel.serve import responses
 from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_completion,
-                                                 check_rollout_id, forced_tool, off_policy_params, parse_body)
+                                                 check_rollout_id, off_policy_params, parse_body)
 from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
 GENERATE_SPAN = "lightning.generate"
 STRIPPED_ATTRIBUTE = "lightning.request.stripped"
+FORCED_PREFIX_ATTRIBUTE = "lightning.prompt.forced_prefix"
 
 
 @dataclass
@@ -62,7 +70,14 @@ class GatewayConfig:
     collector_url: str | None = None
     collector_token: str | None = None
     tool_format: str = "hermes"
-    native_tools: bool = False  # True when the model's chat template renders `tools` itself
+    # A Jinja chat template the engine renders every chat request with, instead of the model's own (sent as
+    # vLLM's request-level chat_template: the engine needs --trust-request-chat-template, which the engine the
+    # project starts has; an attached vLLM must be started with it).
+    chat_template: str | None = None
+    # Whether the template renders `tools` itself (chat_tools: native), else the gateway renders them into the
+    # messages. None: decided from chat_template when one is given (else False); callers that know the model
+    # pass chat_tools.template_renders_tools(model_dir, chat_template).
+    native_tools: bool | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
     # The longest one write of an answer (an SSE event, a JSON body) may wait for the client to read: a client
@@ -85,6 +100,10 @@ class GatewayConfig:
     stored_responses: int = 4096
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template.strip()):
+            raise UserError("chat_template: give the text of a Jinja chat template (or None for the model's own)")
+        if self.native_tools is None:
+            self.native_tools = self.chat_template is not None and renders_tools(self.chat_template)
         try:
             tool_format(self.tool_format)
         except ValueError as exc:
@@ -96,15 +115,6 @@ class GatewayConfig:
                             "in the record) or \"refuse\" (answer 400)")
         if not (isinstance(self.stored_responses, int) and self.stored_responses >= 0):
             raise UserError(f"stored_responses={self.stored_responses!r}: give a count of responses (0 keeps none)")
-
-
-def template_renders_tools(model_dir: Path) -> bool:
-    """Whether the model's chat template uses `tools` (else the gateway renders them into the prompt)."""
-    texts = [p.read_text() for p in (model_dir / "chat_template.jinja",) if p.is_file()]
-    config = model_dir / "tokenizer_config.json"
-    if config.is_file():
-        texts.append(str(json.loads(config.read_text()).get("chat_template", "")))
-    return any("tools" in text for text in texts)
 
 
 class Gateway:
@@ -177,7 +187,7 @@ class Gateway:
         unless the temperature is forced, none for a scripted rollout (its answers are not sampled)."""
         if self.config.temperature is None or rollout_id in self._scripts:
             return []
-        names = off_policy_params(body, self.config.native_tools)
+        names = off_policy_params(body)
         if names and self.config.off_policy_params == "refuse":
             listed = ", ".join(f"'{n}' {json.dumps(body[n])[:60]}" for n in names)
             raise BadRequest(f"{listed}: the engine would sample from another distribution than the policy's "
@@ -209,51 +219,92 @@ class Gateway:
         stripped = self._off_policy(body, rollout_id)  # before counting: a refused call is not one
         scripted = self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
-        tools = body.get("tools") or None
-        upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "parallel_tool_calls")}
-        prefix = ""
-        if not self.config.native_tools and (tools or _has_tool_messages(body["messages"])):
-            # tool_choice in the model's own syntax: "none" offers no tools; "required" or a named function
-            # starts the answer with the call's opening (a prompt the policy continues, never trained on).
-            must_call, name = forced_tool(body)
-            if body.get("tool_choice") == "none":
-                tools = None
-            upstream["messages"] = self.format.render_messages(body["messages"], tools)
-            upstream.pop("tools", None)
-            upstream.pop("tool_choice", None)
-            if must_call:
-                prefix = self.format.forced_prefix(name)
-                upstream["messages"].append({"role": "assistant", "content": prefix})
-                upstream.update(continue_final_message=True, add_generation_prompt=False)
+        plan = plan_tools(body)
+        upstream = chat_upstream(body, plan, self.format, bool(self.config.native_tools), self.config.chat_template)
         if upstream.get("max_tokens") is None and upstream.get("max_completion_tokens") is None:
             upstream["max_tokens"] = self.config.default_max_tokens
         self._apply_overrides(upstream, scripted, stripped)
         started = time.time_ns()
-        result = self.engine.generate("/v1/chat/completions", upstream)
+        runs = [(opening, self._generate(request)) for opening, request in self._requests(upstream, plan, scripted)]
         ended = time.time_ns()
-        prompt_ids = result.get("prompt_token_ids") or []
-        response_id = response_id or result.get("id")  # a Responses call is recorded under its own id
-        choices = []
-        for choice in result.get("choices", []):
-            content = prefix + ((choice.get("message") or {}).get("content") or "")
-            if scripted is not None:
-                content, choice = scripted, {**choice, "finish_reason": "stop", "token_ids": [], "logprobs": None}
-            parsed = self.format.parse(content, tools_offered=bool(tools))
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            finish = choice.get("finish_reason")
-            if parsed.tool_calls:
-                message["tool_calls"] = parsed.tool_calls
-                finish = "tool_calls"
-            token_logprobs = [t.get("logprob") for t in ((choice.get("logprobs") or {}).get("content") or [])]
-            out = {"index": choice.get("index", len(choices)), "message": message, "finish_reason": finish,
-                   "logprobs": choice.get("logprobs") if body.get("logprobs") else None}
-            choices.append(out)
-            self._record(headers, rollout_id, requested_model, response_id, out["index"], prompt_ids,
-                         choice.get("token_ids") or [], token_logprobs, started, ended, scripted, stripped)
-        pieces = [[scripted] if scripted is not None else _pieces(c) for c in result.get("choices", [])]
-        return {"id": response_id or f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "created": int(time.time()), "model": requested_model, "choices": choices,
-                "usage": _usage(result), "_token_pieces": pieces}
+        # A Responses call is recorded under its own id.
+        response_id = response_id or runs[0][1].get("id") or f"chatcmpl-{uuid.uuid4().hex}"
+        choices, pieces, usage = [], [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for opening, result in runs:
+            prompt_ids = result.get("prompt_token_ids") or []
+            usage = {k: v + _usage(result)[k] for k, v in usage.items()}
+            for choice in result.get("choices", []):
+                # A forced call's opening is the start of the answer the client gets, and prompt in the record.
+                content = opening + ((choice.get("message") or {}).get("content") or "")
+                pieces.append([opening, *_pieces(choice)] if opening else _pieces(choice))
+                if scripted is not None:
+                    content, choice = scripted, {**choice, "finish_reason": "stop", "token_ids": [], "logprobs": None}
+                    pieces[-1] = [scripted]
+                parsed = self.format.parse(content, plan.offered)
+                message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+                finish = choice.get("finish_reason")
+                if parsed.tool_calls:
+                    message["tool_calls"] = parsed.tool_calls
+                    finish = "tool_calls"
+                token_logprobs = [t.get("logprob") for t in ((choice.get("logprobs") or {}).get("content") or [])]
+                out = {"index": len(choices), "message": message, "finish_reason": finish,
+                       "logprobs": choice.get("logprobs") if body.get("logprobs") else None}
+                choices.append(out)
+                self._record(headers, rollout_id, requested_model, response_id, out["index"], prompt_ids,
+                             choice.get("token_ids") or [], token_logprobs, started, ended, scripted, stripped,
+                             opening)
+        return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": requested_model,
+                "choices": choices, "usage": usage, "_token_pieces": pieces}
+
+    def _requests(self, upstream: dict, plan: ToolPlan, scripted: str | None) -> list[tuple[str, dict]]:
+        """The engine requests that answer a chat request, each with the opening it continues ("" for none):
+        one, but for a call forced among several tools, one per tool the name choice picked (its n choices)."""
+        if not plan.must_call:
+            return [("", upstream)]
+        if plan.name is not None or scripted is not None:  # a scripted answer needs the prompt only
+            opening = self.format.forced_prefix(plan.name)
+            return [(opening, with_opening(upstream, opening))]
+        chosen = self._choose_names(upstream, plan)
+        return [(self.format.forced_prefix(name), with_opening(upstream, self.format.forced_prefix(name),
+                                                                n=chosen.count(name)))
+                for name in dict.fromkeys(chosen)]
+
+    def _choose_names(self, upstream: dict, plan: ToolPlan) -> list[str]:
+        """One offered tool per choice, sampled by the policy with the answer constrained to the names."""
+        result = self._generate(name_choice(upstream, self.format.forced_prefix(None), plan.names))
+        names = [((c.get("message") or {}).get("content") or "") for c in result.get("choices", [])]
+        if not names or any(name not in plan.names for name in names):
+            raise EngineError(502, {"error": {"message": f"the engine's choice of a tool among {list(plan.names)} "
+                                                         f"gave {names}: structured outputs did not hold",
+                                              "type": "engine_error"}})
+        return names
+
+    def _generate(self, request: dict) -> dict:
+        """A chat generation; a request the engine refuses because the chat template cannot render it is
+        answered with an error that says so (the engine's own message gives only the template's reason)."""
+        try:
+            return self.engine.generate("/v1/chat/completions", request)
+        except EngineError as exc:
+            if exc.status != 400:
+                raise
+            reason = self._render_failure(request)
+            if reason is None:
+                raise
+            which = "the gateway's chat_template" if self.config.chat_template is not None else \
+                "the model's chat template"
+            hint = ("; start vLLM with --trust-request-chat-template, or give the gateway no chat_template"
+                    if "trust-request-chat-template" in reason else "")
+            raise BadRequest(f"{which} could not render this request: {reason}{hint}", "messages") from None
+
+    def _render_failure(self, request: dict) -> str | None:
+        """Why the engine cannot render `request`'s prompt, or None when it can (the refusal was another)."""
+        keys = ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+                "continue_final_message")
+        try:
+            self.engine.tokenize_chat({k: request[k] for k in keys if k in request})
+        except EngineError as exc:
+            return str(exc) if exc.status == 400 else None
+        return None
 
     def respond(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
         """POST /v1/responses: the Responses API over chat(), recorded under the response's id."""
@@ -289,7 +340,7 @@ class Gateway:
 
     def _record(self, headers: dict[str, str], rollout_id: str | None, requested_model: str, response_id: Any,
                 index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started: int,
-                ended: int, scripted: str | None = None, stripped: list[str] = ()) -> None:
+                ended: int, scripted: str | None = None, stripped: list[str] = (), forced_prefix: str = "") -> None:
         attributes = {
             "lightning.policy.version": self.engine.policy_version, "lightning.engine": self.engine.name,
             "gen_ai.request.model": requested_model, "lightning.choice.index": index,
@@ -304,13 +355,11 @@ class Gateway:
             attributes["lightning.scripted.answer"] = scripted
         if stripped:
             attributes[STRIPPED_ATTRIBUTE] = list(stripped)
+        if forced_prefix:  # the end of the prompt ids: the answer's opening the gateway wrote, not the policy
+            attributes[FORCED_PREFIX_ATTRIBUTE] = forced_prefix
         span = self.tracer.start_span(GENERATE_SPAN, context=extract(headers), kind=SpanKind.SERVER,
                                       start_time=started, attributes=attributes)
         span.end(end_time=ended)
-
-
-def _has_tool_messages(messages: list[dict]) -> bool:
-    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
 def _usage(result: dict) -> dict:

@@ -12,7 +12,7 @@ from typing import Any
 # Request parameters that move sampling away from the policy's softmax(logits / T), with their no-op values:
 # vLLM samples (and records logprobs) after penalties, biases, token masks, guided decoding, min_tokens' EOS
 # mask and top-k/p; beam search and best_of select. Passed on: what only truncates (stop), fixes (seed),
-# reports (logprobs) or shapes the prompt (chat_template), whose ids are recorded as sent.
+# reports (logprobs) or shapes the prompt (chat_template_kwargs), whose ids are recorded as sent.
 OFF_POLICY_NEUTRAL: dict[str, tuple] = {
     "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "typical_p": (1,), "top_a": (0,),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
@@ -111,6 +111,7 @@ def check_chat(body: Any, max_n: int) -> None:
                                     isinstance(options.get("include_usage", False), (bool, type(None)))):
         raise BadRequest("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
     forced_tool(body)
+    check_no_request_template(body)
 
 
 def check_completion(body: Any, max_n: int) -> None:
@@ -169,18 +170,25 @@ def _check_tools(tools: Any) -> None:
                              '{"type": "object", "properties": {...}}', f"tools[{i}].function.parameters")
 
 
+def offered_tools(body: dict) -> list[str]:
+    """The names of the tools the request offers, in its order."""
+    return [f.get("name") for t in body.get("tools") or [] if isinstance(f := t.get("function") or t, dict)]
+
+
 def forced_tool(body: dict) -> tuple[bool, str | None]:
-    """What `tool_choice` asks: (whether the answer must be a tool call, the tool it must call or None for
-    any). "none" is (False, None) like "auto"; the caller stops offering the tools for it."""
+    """What `tool_choice` asks: (whether the answer must be a tool call, the tool it must call, or None when
+    the model chooses among several). "required" (and "any", LangChain's word for it) is a call of one of the
+    offered tools: with one tool offered, of that one. "none" is (False, None) like "auto"; the caller stops
+    offering the tools for it."""
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
         return False, None
-    names = [f.get("name") for t in body.get("tools") or [] if isinstance(f := t.get("function") or t, dict)]
+    names = offered_tools(body)
     if not names:
         raise BadRequest(f"tool_choice {json.dumps(choice)[:80]} needs 'tools': offer the tools it may call",
                          "tool_choice")
-    if choice == "required":
-        return True, None
+    if choice in ("required", "any"):
+        return True, names[0] if len(set(names)) == 1 else None
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
@@ -191,14 +199,23 @@ def forced_tool(body: dict) -> tuple[bool, str | None]:
     return True, name
 
 
-def off_policy_params(body: dict, native_tools: bool = False) -> list[str]:
+def check_no_request_template(body: dict) -> None:
+    """A request may not bring its own chat template: the engine trusts request-level templates only for the
+    gateway's own (its chat_template option), and agent traffic is untrusted."""
+    kwargs = body.get("chat_template_kwargs")
+    if body.get("chat_template") is not None or (isinstance(kwargs, dict) and kwargs.get("chat_template") is not None):
+        raise BadRequest("this gateway renders prompts with its own chat template and takes none from requests: "
+                         "give the template to the gateway (its chat_template option, --chat-template FILE)",
+                         "chat_template")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+
+
+def off_policy_params(body: dict) -> list[str]:
     """The request's parameters (in request order) whose values make the engine sample from another
-    distribution than softmax(logits / T). With native tools, vLLM guides tool_choice "required" or a named
-    function with a JSON schema; rendered tools force it with a prompt prefix instead, which is harmless."""
-    names = [key for key, value in body.items() if key in OFF_POLICY_NEUTRAL and not _neutral(key, value, body)]
-    if native_tools and body.get("tools") and forced_tool(body)[0]:
-        names.append("tool_choice")
-    return names
+    distribution than softmax(logits / T). tool_choice is not one: the gateway forces a call with a prompt
+    prefix (its tokens are prompt, never trained), never by guiding what the policy samples."""
+    return [key for key, value in body.items() if key in OFF_POLICY_NEUTRAL and not _neutral(key, value, body)]
 
 
 def _neutral(key: str, value: Any, body: dict) -> bool:

@@ -76,14 +76,17 @@ def engine_for_policy(policy: Policy, engine: PolicyEngine | None, owned: ExitSt
 
 def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: str | None = None,
                  ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
-                 engine: PolicyEngine | None = None) -> None:
+                 engine: PolicyEngine | None = None, chat_template: Path | None = None) -> None:
     """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on 127.0.0.1:port. An engine
-    already running on the policy's base model may be given instead of starting one."""
-    from lightning_otel.serve.gateway import Gateway, GatewayConfig, template_renders_tools
+    already running on the policy's base model may be given instead of starting one. `chat_template`: a Jinja
+    file the gateway renders prompts with instead of the model's own template."""
+    from lightning_otel.serve.chat_tools import read_chat_template, template_renders_tools
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
     from lightning_otel.span_store import discovery
     from lightning_otel.span_store.collector import Collector, private_config
 
     python = python or default_engine_python()
+    template = read_chat_template(chat_template) if chat_template is not None else None
     policy: Policy = resolve_policy(spec, python)
     with ExitStack() as owned:
         collector_url = collector_token = None
@@ -97,7 +100,8 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
             collector_url, collector_token = info.url, info.ingest_token
         engine = engine_for_policy(policy, engine, owned, python)
         gateway = Gateway(engine, GatewayConfig(port=port, collector_url=collector_url, collector_token=collector_token,
-                                                native_tools=template_renders_tools(policy.base_model)))
+                                                chat_template=template,
+                                                native_tools=template_renders_tools(policy.base_model, template)))
         gateway.start()
         owned.callback(gateway.close)
         if ready:

@@ -5,12 +5,18 @@ Hermes style (Qwen2.5, Hermes, many ChatML fine-tunes, and what the bundled Smol
 tools are listed in the system prompt inside <tools></tools>, the model answers with
 <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks, and tool results come back as
 <tool_response>...</tool_response>. Formats are pluggable by name (`--tool-format`).
+
+What parses as a call is what a client can run, as OpenAI defines a call: the name of a tool the request
+offered, and arguments that are a JSON object (returned string-encoded). An answer with any block that is not
+such a call (arguments 1, a list, a string that is not an object; a tool that was not offered; not JSON) is
+returned whole as text content: frameworks reject malformed calls, and the text keeps what the model wrote.
 """
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,8 +33,8 @@ class ToolFormat(Protocol):
     def render_messages(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
         """Messages whose content is plain text the model's chat template can render."""
 
-    def parse(self, text: str, tools_offered: bool) -> ParsedOutput:
-        """Split generated text into content and tool calls."""
+    def parse(self, text: str, offered: Collection[str]) -> ParsedOutput:
+        """Split generated text into content and calls of the `offered` tools (none offered: all text)."""
 
     def forced_prefix(self, tool_name: str | None) -> str:
         """The start of an answer that is a tool call: of the tool named, or of any tool when None."""
@@ -91,25 +97,38 @@ class HermesToolFormat:
             return '<tool_call>\n{"name": "'
         return "<tool_call>\n" + json.dumps({"name": tool_name, "arguments": None})[:-len("null}")]
 
-    def parse(self, text: str, tools_offered: bool) -> ParsedOutput:
-        if not tools_offered or "<tool_call>" not in text:
+    def parse(self, text: str, offered: Collection[str]) -> ParsedOutput:
+        if not offered or "<tool_call>" not in text:
             return ParsedOutput(text, [])
-        calls = []
-        for block in self.CALL.findall(text):
-            try:
-                call = json.loads(block)
-            except json.JSONDecodeError:
-                continue  # not a call the client could run; it stays in the content
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                continue
-            arguments = call.get("arguments", {})
-            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": call["name"], "arguments": arguments}})
-        if not calls:
-            return ParsedOutput(text, [])
+        calls = [_call(block, offered) for block in self.CALL.findall(text)]
+        if not calls or None in calls:
+            return ParsedOutput(text, [])  # not calls a client could run: the model's text, as it wrote it
         content = text[:text.index("<tool_call>")].strip()
         return ParsedOutput(content or None, calls)
+
+
+def _call(block: str, offered: Collection[str]) -> dict | None:
+    """One call in OpenAI's shape, or None when the block is not a call of an offered tool with a JSON object
+    for arguments (missing arguments are an empty object: a tool without parameters)."""
+    try:
+        call = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in offered:
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            if not isinstance(json.loads(arguments), dict):
+                return None
+        except json.JSONDecodeError:
+            return None
+    elif isinstance(arguments, dict):
+        arguments = json.dumps(arguments)
+    else:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": arguments}}
 
 
 FORMATS: dict[str, ToolFormat] = {"hermes": HermesToolFormat()}

@@ -28,6 +28,7 @@ from pathlib import Path
 import polars as pl
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.chat_tools import read_chat_template
 from lightning_otel.span_store import client
 from lightning_otel.train.transitions import trajectories
 from lightning_otel.train.transitions.credit import ADVANTAGES, EPS, Call, Reward, advantage_name, discounted_returns
@@ -79,6 +80,7 @@ class CompileConfig:
     # Tokenizer for calls without a token record: a model folder, "bundled", or None (such rollouts are
     # then excluded, with the reason).
     model: Path | str | None = None
+    chat_template: Path | None = None  # the Jinja file the gateway rendered with (its chat_template), if one
     max_length: int | None = None  # prompt + completion tokens; a rollout with a longer call is excluded
     drift: bool = False  # also re-tokenise calls that have a token record and report the difference
     # Compile only these rollouts (a training round's): the accounting is then theirs, and the work does not
@@ -104,6 +106,11 @@ class CompileConfig:
             if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
                 raise UserError(f"model = {self.model}: no tokenizer there (tokenizer.json / tokenizer_config.json); "
                                 f"give a Hugging Face model folder, or 'bundled'")
+        if self.chat_template is not None:
+            self.chat_template = Path(self.chat_template)
+            if not self.chat_template.is_file():
+                raise UserError(f"chat_template {self.chat_template}: no such file; give the Jinja chat template file "
+                                f"the gateway rendered with")
         if self.agents is not None:
             try:
                 re.compile(self.agents)
@@ -218,8 +225,9 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
     has_calls = with_reward.join(calls.select("rollout_id").unique(), on="rollout_id", how="semi")
     exclude(with_reward.join(has_calls, on="rollout_id", how="anti"),
             "no LLM call" if config.agents is None else "no LLM call of the selected agents")
+    template = read_chat_template(config.chat_template) if config.chat_template is not None else None
     tokens = attach_tokens(calls.join(has_calls.select("rollout_id"), on="rollout_id", how="semi"),
-                           read, config.model)
+                           read, config.model, template)
     account.retokenized_calls = tokens.retokenized
     for (reason,), group in tokens.excluded.group_by("reason"):
         exclude(group, reason)
@@ -231,7 +239,7 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
         exclude(over, f"over length (a call has more than {config.max_length} prompt + completion tokens)")
         kept = kept.join(over, on="rollout_id", how="anti")
     if config.drift:
-        account.drift = trajectories.drift(read, config.model)
+        account.drift = trajectories.drift(read, config.model, template)
 
     # Credit on the calls without their token lists; the lists are joined once, to the final rows.
     steps = (calls.join(kept, on="rollout_id", how="inner")

@@ -5,9 +5,11 @@ record. Its recorded messages (`gen_ai.input.messages` / `gen_ai.output.messages
 `gen_ai.system_instructions`, `gen_ai.tool.definitions`; on a span or in its GenAI log record, see the
 llm_calls view) are turned back into the OpenAI request the agent sent, rendered the way the gateway
 renders a request (tools and tool messages in the model's tool syntax when its chat template cannot render
-tools; then the chat template with the generation prompt) and tokenised like vLLM does (no extra special
-tokens). The completion is the assistant's text with its tool calls in the model's tool syntax, plus the
-end-of-turn token unless the call stopped at its length limit.
+tools, else given to the template as vLLM gives them: call arguments as objects, tools with vLLM's fields;
+then the chat template with the generation prompt) and tokenised like vLLM does (no extra special tokens).
+The completion is the assistant's text with its tool calls in the model's tool syntax (the gateway parses
+calls out of that syntax with either template), plus the end-of-turn token unless the call stopped at its
+length limit.
 
 Such transitions carry token_source='retokenized' and completion_logprobs = [] (an empty list, never
 NaN): no sampling logprobs exist for them. The trainer must compute their old-policy logprobs itself (the
@@ -15,7 +17,11 @@ policy's own logprobs before the update, so their first ratio is 1) and not read
 
 Re-tokenised text is not what the model sampled: chat templates, tool-call formatting and non-canonical
 tokenisations of sampled text all drift. `measure_drift` re-tokenises calls that do have a token record
-and compares (`lightning-otel compile --drift`).
+and compares (`lightning-otel compile --drift`). A call whose answer the gateway opened itself (tool_choice
+"required" or a named function: its record's lightning.prompt.forced_prefix) has that opening at the end of
+its prompt ids, while the recorded messages hold it as the start of the answer: it is re-tokenised the way the
+gateway sent it (prompt continued after the opening, completion without it), so only real drift is counted,
+and such calls are counted apart.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import numpy as np
 import polars as pl
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.chat_tools import has_tool_messages, template_renders_tools
 from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
@@ -101,33 +108,43 @@ class ChatTokenizer:
     format: ToolFormat
 
     @classmethod
-    def load(cls, model_dir: Path, tool_format_name: str = "hermes") -> ChatTokenizer:
+    def load(cls, model_dir: Path, tool_format_name: str = "hermes", chat_template: str | None = None) -> ChatTokenizer:
+        """The tokenizer of `model_dir`, rendering with `chat_template` (the gateway's) when given."""
         from transformers import AutoTokenizer
 
-        from lightning_otel.serve.gateway import template_renders_tools
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{model_dir} has no chat template: its calls cannot be re-tokenised")
-        return cls(tokenizer, template_renders_tools(Path(model_dir)), tool_format(tool_format_name))
+        return cls(tokenizer, template_renders_tools(Path(model_dir), chat_template), tool_format(tool_format_name))
 
-    def prompt_text(self, messages: list[dict], tools: list[dict] | None) -> str:
-        if not self.native_tools and (tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)):
-            messages = self.format.render_messages(messages, tools)
-            tools = None
+    def prompt_text(self, messages: list[dict], tools: list[dict] | None, forced_prefix: str | None = None) -> str:
+        """The prompt the gateway had the engine render: continued after `forced_prefix` when it forced one."""
+        if not self.native_tools:
+            if tools or has_tool_messages(messages):
+                messages, tools = self.format.render_messages(messages, tools), None
+        else:
+            messages, tools = _as_vllm_renders(messages, tools)
+        if forced_prefix:
+            return self.tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": forced_prefix}],
+                                                      tools=tools, continue_final_message=True, tokenize=False)
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
-    def completion_text(self, message: dict) -> str:
-        if message.get("tool_calls") and not self.native_tools:
-            return self.format.render_messages([message], None)[0]["content"]
-        return message.get("content") or ""
+    def completion_text(self, message: dict, forced_prefix: str | None = None) -> str:
+        """The answer as the model writes it (calls in its tool syntax), less the opening the gateway forced."""
+        text = self.format.render_messages([message], None)[0]["content"] if message.get("tool_calls") \
+            else message.get("content") or ""
+        return text[len(forced_prefix):] if forced_prefix and text.startswith(forced_prefix) else text
 
     def encode(self, calls: pl.DataFrame) -> pl.DataFrame:
         """Re-tokenise calls (columns trace_id, span_id, system_instructions, input_messages, output_messages,
-        tool_definitions): their prompt_ids and completion_ids, null where the messages were not recorded
-        or cannot be read (`problem` says why)."""
+        tool_definitions, and optionally forced_prefix: the opening the gateway forced into the call's prompt):
+        their prompt_ids and completion_ids, null where the messages were not recorded or cannot be read
+        (`problem` says why)."""
         prompts, completions, finished, problems = [], [], [], []
         for row in calls.iter_rows(named=True):
             try:
@@ -140,8 +157,9 @@ class ChatTokenizer:
             if problem:
                 prompts.append(None), completions.append(None), finished.append(False), problems.append(problem)
                 continue
-            prompts.append(self.prompt_text(messages, openai_tools(row["tool_definitions"])))
-            completions.append(self.completion_text(answer[0]))
+            forced = row.get("forced_prefix")
+            prompts.append(self.prompt_text(messages, openai_tools(row["tool_definitions"]), forced))
+            completions.append(self.completion_text(answer[0], forced))
             finished.append(answer[1] != "length")
             problems.append(None)
         prompt_ids = self._batch([p for p in prompts if p is not None])
@@ -164,6 +182,33 @@ class ChatTokenizer:
         if not texts:
             return []
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def _as_vllm_renders(messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """Messages and tools as vLLM hands them to a chat template: a call's arguments as an object (a string is
+    parsed; one that is not a JSON object becomes {}), and each tool with the fields of vLLM's tool model."""
+    out = []
+    for message in messages:
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function") or {})
+                arguments = function.get("arguments") or {}
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        arguments = {}
+                function["arguments"] = arguments if isinstance(arguments, dict) else {}
+                calls.append({**call, "function": function})
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    if tools:
+        tools = [{"type": "function", "function": {
+            "name": f.get("name"), "description": f.get("description"), "parameters": f.get("parameters"),
+            **({"strict": f["strict"]} if f.get("strict") is not None else {})}}
+            for f in (t.get("function") or t for t in tools)]
+    return out, tools
 
 
 def edit_distance(a, b) -> int:
@@ -204,31 +249,42 @@ class Drift:
     prompt_mismatch: float = float("nan")     # edits / engine tokens, over all calls
     completion_mismatch: float = float("nan")
     unreadable: int = 0                        # calls with a record whose messages could not be re-tokenised
+    forced: int = 0                            # calls whose prompt ends with an opening the gateway forced
+    forced_differ: int = 0                     # of those, calls whose prompt or completion ids still differ
 
     def lines(self) -> list[str]:
         if not self.calls:
             return [f"drift: no call has both a token record and recorded messages ({self.unreadable} unreadable)"]
-        return [f"drift over {self.calls} calls with both a token record and recorded messages:",
-                f"  prompt:     {self.prompt_differs:.1%} of calls differ, {self.prompt_edits:.2f} token edits per "
-                f"call, {self.prompt_mismatch:.2%} of tokens",
-                f"  completion: {self.completion_differs:.1%} of calls differ, {self.completion_edits:.2f} token edits "
-                f"per call, {self.completion_mismatch:.2%} of tokens"]
+        lines = [f"drift over {self.calls} calls with both a token record and recorded messages:",
+                 f"  prompt:     {self.prompt_differs:.1%} of calls differ, {self.prompt_edits:.2f} token edits per "
+                 f"call, {self.prompt_mismatch:.2%} of tokens",
+                 f"  completion: {self.completion_differs:.1%} of calls differ, {self.completion_edits:.2f} token "
+                 f"edits per call, {self.completion_mismatch:.2%} of tokens"]
+        if self.forced:
+            lines.append(f"  {self.forced} call(s) had a tool-call opening forced into the prompt by the gateway "
+                         f"(tool_choice required or a named function): it was compared as prompt, where the engine "
+                         f"had it, so it is not counted as drift; {self.forced_differ} of them differ still")
+        return lines
 
 
 def measure_drift(engine: pl.DataFrame, retokenized: pl.DataFrame) -> Drift:
-    """Compare `engine` (trace_id, span_id, prompt_ids, completion_ids from token records) with
-    ChatTokenizer.encode's output for the same calls."""
+    """Compare `engine` (trace_id, span_id, prompt_ids, completion_ids from token records, and optionally
+    forced_prefix) with ChatTokenizer.encode's output for the same calls (given the same forced_prefix)."""
     both = engine.join(retokenized.rename({"prompt_ids": "re_prompt", "completion_ids": "re_completion"}),
                        on=["trace_id", "span_id"], how="inner")
     unreadable = both.filter(pl.col("re_prompt").is_null()).height
     both = both.filter(pl.col("re_prompt").is_not_null())
     if both.height == 0:
         return Drift(unreadable=unreadable)
-    stats = {}
+    stats, differs = {}, np.zeros(both.height, dtype=bool)
     for side in ("prompt", "completion"):
         ours, theirs = both[f"{side}_ids"].to_list(), both[f"re_{side}"].to_list()
         edits = np.array([edit_distance(x, y) if x != y else 0 for x, y in zip(ours, theirs)])
+        differs |= edits > 0
         tokens = sum(len(x) for x in ours)
         stats[side] = (float(np.mean(edits > 0)), float(edits.mean()), float(edits.sum() / tokens) if tokens else 0.0)
+    forced = (both["forced_prefix"].fill_null("").str.len_chars() > 0).to_numpy() if "forced_prefix" in both.columns \
+        else np.zeros(both.height, dtype=bool)
     return Drift(both.height, stats["prompt"][0], stats["completion"][0], stats["prompt"][1], stats["completion"][1],
-                 stats["prompt"][2], stats["completion"][2], unreadable)
+                 stats["prompt"][2], stats["completion"][2], unreadable, forced=int(forced.sum()),
+                 forced_differ=int((forced & differs).sum()))

@@ -43,6 +43,14 @@ FROM llm_calls c SEMI JOIN trajectory_calls t ON t.trace_id = c.trace_id AND t.s
     AND t.record_span_id IS $which NULL
 """
 
+# Calls with a token record, with the opening the gateway forced into the prompt, if it forced one (--drift).
+SQL_RECORDED_CALLS = """
+SELECT t.trace_id, t.span_id, t.prompt_ids, t.completion_ids,
+       json_extract_string(s.attributes, '$."lightning.prompt.forced_prefix"') AS forced_prefix
+FROM trajectory_calls t LEFT JOIN spans s ON s.trace_id = t.record_trace_id AND s.span_id = t.record_span_id
+WHERE t.record_span_id IS NOT NULL
+"""
+
 NO_RECORD = "LLM call without a token record"
 TOKEN_MISMATCH = ("token mismatch (a token record's logprobs and completion ids differ in length, "
                   "or its prompt is empty)")
@@ -60,27 +68,30 @@ class Tokens:
     retokenized: int = 0
 
 
-def load_tokenizer(model: Path | str | None) -> tuple[ChatTokenizer | None, str | None]:
-    """The tokenizer of `model` ("bundled" = the bundled model), or None and why not. An explicit folder
-    that cannot be used is the user's error; the bundled model being unavailable only disables
-    re-tokenisation (its rollouts are then excluded with the reason)."""
+def load_tokenizer(model: Path | str | None, chat_template: str | None = None
+                   ) -> tuple[ChatTokenizer | None, str | None]:
+    """The tokenizer of `model` ("bundled" = the bundled model), rendering with `chat_template` when given (the
+    one the gateway was given), or None and why not. An explicit folder that cannot be used is the user's error;
+    the bundled model being unavailable only disables re-tokenisation (its rollouts are then excluded with the
+    reason)."""
     if model is None:
         return None, "no tokenizer to re-tokenise it with: give --tokenizer"
     from lightning_otel.serve.model import resolve_model
     if str(model) in ("bundled", "base"):
         try:
-            return ChatTokenizer.load(resolve_model(None)), None
+            return ChatTokenizer.load(resolve_model(None), chat_template=chat_template), None
         except UserError as exc:
             log.warning("re-tokenisation is off: %s", exc)
             return None, f"the bundled model's tokenizer is unavailable: {exc}"
-    return ChatTokenizer.load(resolve_model(str(model))), None
+    return ChatTokenizer.load(resolve_model(str(model)), chat_template=chat_template), None
 
 
 def recorded_messages(read: Read, with_record: bool) -> pl.DataFrame:
     return read(SQL_MESSAGES.replace("$which", "NOT" if with_record else ""))
 
 
-def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None) -> Tokens:
+def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None,
+                  chat_template: str | None = None) -> Tokens:
     """Token ids for every call: the gateway's record, else re-tokenised from the recorded messages
     (completion_logprobs = []); a rollout with a call that has neither a usable record nor readable
     messages is excluded with the reason. Lists stay in `lists` until the caller joins them last."""
@@ -95,7 +106,7 @@ def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None) -> 
     missing = calls.filter(pl.col("record_span_id").is_null())
     retokenized = 0
     if missing.height:
-        tokenizer, why_not = load_tokenizer(model)
+        tokenizer, why_not = load_tokenizer(model, chat_template)
         if tokenizer is None:
             excluded.append(missing.select("rollout_id", pl.lit(f"{NO_RECORD} ({why_not})").alias("reason")))
         else:
@@ -125,14 +136,16 @@ def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None) -> 
     return Tokens(calls, lists, reasons, retokenized)
 
 
-def drift(read: Read, model: Path | str | None) -> Drift:
-    """Re-tokenise every call that has a token record and compare with the engine's ids."""
-    tokenizer, why_not = load_tokenizer(model)
+def drift(read: Read, model: Path | str | None, chat_template: str | None = None) -> Drift:
+    """Re-tokenise every call that has a token record and compare with the engine's ids; a call with a forced
+    opening is re-tokenised with it in the prompt, as the gateway sent it (Drift.forced counts them)."""
+    tokenizer, why_not = load_tokenizer(model, chat_template)
     if tokenizer is None:
         raise UserError(f"drift needs a tokenizer: {why_not}")
-    engine = read("SELECT trace_id, span_id, prompt_ids, completion_ids FROM trajectory_calls "
-                  "WHERE record_span_id IS NOT NULL")
-    return measure_drift(engine, tokenizer.encode(recorded_messages(read, with_record=True)))
+    engine = read(SQL_RECORDED_CALLS)
+    messages = recorded_messages(read, with_record=True).join(
+        engine.select("trace_id", "span_id", "forced_prefix"), on=["trace_id", "span_id"], how="left")
+    return measure_drift(engine, tokenizer.encode(messages))
 
 
 def join_lists(rows: pl.DataFrame, lists: pl.DataFrame) -> pl.DataFrame:
