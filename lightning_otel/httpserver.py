@@ -64,6 +64,21 @@ class ConnectionLimits:
             raise UserError(f"max_connections={self.max_connections}: at least one connection must be served")
 
 
+def bearer_token(header: str | None) -> str | None:
+    """The token of an Authorization header ("Bearer <token>", the scheme in any case), or None."""
+    scheme, _, sent = (header or "").strip().partition(" ")
+    sent = sent.strip()
+    return sent if scheme.lower() == "bearer" and sent else None
+
+
+def check_exposure(host: str, secured: bool, how: str) -> None:
+    """Refuse (UserError) to bind a server to an address other machines reach while it accepts requests without
+    a token or key; `how` says what to give."""
+    if not secured and not is_loopback(host):
+        raise UserError(f"--host {host} makes this server reachable from other machines, and it would answer "
+                        f"requests without a token there: {how}, or --insecure-no-auth on a network you trust")
+
+
 def is_loopback(host: str) -> bool:
     """Whether binding `host` keeps a server on this machine: a loopback address, or a name whose every
     address is one ("localhost"). An empty host or a wildcard (0.0.0.0, ::) binds every interface."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_otel.errors import UserError
-from lightning_otel.httpserver import ConnectionLimits, is_loopback
+from lightning_otel.httpserver import ConnectionLimits, check_exposure
 from lightning_otel.span_store import discovery, store
 
 
@@ -78,10 +78,9 @@ class CollectorConfig:
                                 f"(a role without a token accepts requests without one)")
         tokens = self.role_tokens()
         open_roles = [role for role in discovery.ROLES if role not in tokens]
-        if open_roles and not self.insecure_no_auth and not is_loopback(self.host):
-            raise UserError(f"--host {self.host} makes the collector reachable from other machines, and the "
-                            f"{', '.join(open_roles)} role(s) would need no token there: give --token (one for "
-                            f"every role) or a token per role, or --insecure-no-auth on a network you trust")
+        if not self.insecure_no_auth:
+            check_exposure(self.host, not open_roles, f"the {', '.join(open_roles)} role(s) need a token: give "
+                                                      f"--token (one for every role) or a token per role")
         for a, b in combinations(discovery.ROLES, 2):
             explicit = getattr(self, f"{a}_token") is not None or getattr(self, f"{b}_token") is not None
             if explicit and a in tokens and tokens.get(a) == tokens.get(b):

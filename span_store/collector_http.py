@@ -6,6 +6,8 @@ import hmac
 import zlib
 from http import HTTPStatus
 
+from lightning_otel.httpserver import bearer_token
+
 
 class RequestError(Exception):
     def __init__(self, status: HTTPStatus, message: str, retry_after: int | None = None):
@@ -67,13 +69,6 @@ def damage_message(encoding: str, members: int, at: int, exc: zlib.error) -> str
         return f"body is not valid {encoding} data: {exc}"
     return (f"the bytes after gzip member {members} (from about byte {at}) are not another gzip member ({exc}); "
             f"send whole gzip members and nothing after them")
-
-
-def bearer_token(header: str | None) -> str | None:
-    """The token of an Authorization header ("Bearer <token>", the scheme in any case), or None."""
-    scheme, _, sent = (header or "").strip().partition(" ")
-    sent = sent.strip()
-    return sent if scheme.lower() == "bearer" and sent else None
 
 
 def roles_holding(tokens: dict[str, str], header: str | None) -> set[str]:

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from lightning_otel.cli.options import add_chat_template
+
+API_KEY_ENV = "LIGHTNING_OTEL_API_KEY"
 
 
 def cmd_export_policy(args: argparse.Namespace) -> int:
@@ -19,11 +22,15 @@ def cmd_export_policy(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from lightning_otel.serve.serving import serve_policy
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+
     def ready(url: str) -> None:
         print(f"serving {args.model} at {url} (OpenAI-compatible; any model name). Ctrl-C stops.", flush=True)
-        print(f"  OPENAI_BASE_URL={url} OPENAI_API_KEY=any python your_agent.py", flush=True)
+        key = "<the API key>" if api_key else "any"
+        print(f"  OPENAI_BASE_URL={url} OPENAI_API_KEY={key} python your_agent.py", flush=True)
 
-    serve_policy(args.model, port=args.port, db=args.db, ready=ready, chat_template=args.chat_template)
+    serve_policy(args.model, port=args.port, db=args.db, ready=ready, chat_template=args.chat_template,
+                 host=args.host, api_key=api_key, insecure_no_auth=args.insecure_no_auth)
     return 0
 
 
@@ -38,7 +45,14 @@ def register(sub) -> None:
                        description="Start vLLM on the policy's base model with its adapter and the gateway in "
                                    "front; with --db every call is recorded in that trace store.")
     p.add_argument("model", help="base, a training run folder, a checkpoint, an adapter or a model folder")
-    p.add_argument("--port", type=int, default=8000, help="gateway port on 127.0.0.1 (default: 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1); any other than "
+                                                       "loopback needs --api-key, or --insecure-no-auth")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
+    p.add_argument("--api-key", help=f"requests must send 'Authorization: Bearer KEY' (OpenAI clients: "
+                                     f"OPENAI_API_KEY); default: the {API_KEY_ENV} environment variable, which keeps "
+                                     f"it out of the process list")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without an API key (a network you trust)")
     p.add_argument("--db", type=Path, help="record the served calls in this trace store")
     add_chat_template(p, "the gateway renders prompts with")
     p.set_defaults(func=cmd_serve)

@@ -29,11 +29,8 @@ answer as `lightning.scripted.answer` and no completion ids.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import socket
-import struct
 import threading
 import time
 import uuid
@@ -48,13 +45,14 @@ from opentelemetry.trace import SpanKind
 
 from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
-from lightning_otel.httpserver import ConnectionLimits, KeepAliveHandler, LocalServer
+from lightning_otel.httpserver import ConnectionLimits, check_exposure
 from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choice, plan_tools, renders_tools,
                                              with_opening)
 from lightning_otel.serve.engine import Engine, EngineError
+from lightning_otel.serve.gateway_http import GatewayHandler, GatewayServer
 from lightning_otel.serve import responses
 from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_completion,
-                                                 check_rollout_id, off_policy_params, parse_body)
+                                                 off_policy_params)
 from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
@@ -98,6 +96,10 @@ class GatewayConfig:
     off_policy_params: str = "strip"
     # Responses API: how many recent responses' conversations are kept in memory for previous_response_id.
     stored_responses: int = 4096
+    # Requests must send `Authorization: Bearer <api_key>` (None: none needed, which only loopback allows unless
+    # insecure_no_auth is set).
+    api_key: str | None = None
+    insecure_no_auth: bool = False
 
     def __post_init__(self) -> None:
         if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template.strip()):
@@ -115,6 +117,10 @@ class GatewayConfig:
                             "in the record) or \"refuse\" (answer 400)")
         if not (isinstance(self.stored_responses, int) and self.stored_responses >= 0):
             raise UserError(f"stored_responses={self.stored_responses!r}: give a count of responses (0 keeps none)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise UserError("the API key is empty: give one, or none for a server on loopback only")
+        if not self.insecure_no_auth:
+            check_exposure(self.host, self.api_key is not None, "give an API key (--api-key)")
 
 
 class Gateway:
@@ -127,7 +133,7 @@ class Gateway:
             exporter = LightningSpanExporter(endpoint=config.collector_url, token=config.collector_token)
             self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
         self.tracer = self.provider.get_tracer("lightning_otel.serve.gateway")
-        self.server = _Server((config.host, config.port), _Handler, self, config.connection_limits)
+        self.server = GatewayServer((config.host, config.port), GatewayHandler, self, config.connection_limits)
         self.port = self.server.server_address[1]
         self.url = f"http://{config.host}:{self.port}"
         self._thread: threading.Thread | None = None
@@ -370,145 +376,3 @@ def _usage(result: dict) -> dict:
 def _pieces(choice: dict) -> list[str]:
     """The generated text split at token boundaries (for streaming), from the engine's logprobs."""
     return [t.get("token", "") for t in ((choice.get("logprobs") or {}).get("content") or [])]
-
-
-def _stream_events(response: dict, include_usage: bool) -> list[bytes]:
-    """SSE chunks equivalent to the finished response: role, content token by token, tool calls, finish."""
-    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
-            "model": response["model"]}
-    events = []
-
-    def chunk(choices: list[dict], **extra) -> None:
-        events.append(b"data: " + json.dumps({**base, "choices": choices, **extra}).encode() + b"\n\n")
-
-    for choice, pieces in zip(response["choices"], response["_token_pieces"]):
-        index, message = choice["index"], choice["message"]
-        chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        content = message.get("content") or ""
-        if message.get("tool_calls"):
-            if content:
-                chunk([{"index": index, "delta": {"content": content}, "finish_reason": None}])
-            calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
-        else:
-            # Token pieces rebuild the content exactly when the engine's tokens decode one by one.
-            parts = pieces if "".join(pieces) == content else [content]
-            for part in parts:
-                if part:
-                    chunk([{"index": index, "delta": {"content": part}, "finish_reason": None}])
-        chunk([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}])
-    if include_usage:
-        chunk([], usage=response["usage"])
-    events.append(b"data: [DONE]\n\n")
-    return events
-
-
-class _Server(LocalServer):
-    @property
-    def gateway(self) -> Gateway:
-        return self.owner
-
-
-class _Handler(KeepAliveHandler):
-    server: _Server
-
-    def _route(self) -> tuple[str | None, str]:
-        """The rollout (the /r/<rollout_id>/ prefix, else the X-Lightning-Rollout-Id header) and the path under
-        it. Ids are checked (check_rollout_id); a prefix and a header that name different rollouts are refused."""
-        path = self.path.split("?", 1)[0]
-        header = self.headers.get("X-Lightning-Rollout-Id")
-        if not path.startswith("/r/"):
-            if header is not None:
-                check_rollout_id(header)
-            return header, path
-        rollout_id, _, tail = path[len("/r/"):].partition("/")
-        check_rollout_id(rollout_id)
-        if header is not None and header != rollout_id:
-            raise BadRequest(f"the path names rollout {rollout_id} and the X-Lightning-Rollout-Id header names "
-                             f"{header[:80]!r}: name one rollout", "rollout_id")
-        return rollout_id, "/" + tail
-
-    def answer_timeout_s(self) -> float:
-        return self.server.gateway.config.send_timeout_s
-
-    def _send(self, status: int, content_type: str, chunks: list[bytes], length: int | None = None) -> None:
-        """Answer with `chunks`: a body of `length` bytes, or (None) a stream that ends with the connection.
-        A client that stops reading for send_timeout_s loses the connection; its thread is freed."""
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            if length is None:
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            else:
-                self.send_header("Content-Length", str(length))
-            self.end_headers()
-            for chunk in chunks:
-                self.wfile.write(chunk)
-        except OSError as exc:  # TimeoutError included
-            log.info("%s: dropping the connection, the answer could not be sent: %s", self.address_string(),
-                     exc or type(exc).__name__)
-            self.close_connection = True
-            with contextlib.suppress(OSError):  # reset: the kernel must not keep the unread bytes queued
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-
-    def _json(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
-        self._send(status, "application/json", [body], len(body))
-
-    def _error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> None:
-        self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": status}})
-
-    def do_GET(self) -> None:  # noqa: N802
-        try:
-            _, path = self._route()
-        except BadRequest as exc:
-            return self._error(exc.status, exc.message, param=exc.param)
-        if path in ("/v1/models", "/models"):
-            engine = self.server.gateway.engine
-            return self._json(200, {"object": "list", "data": [
-                {"id": engine.model_name, "object": "model", "owned_by": "lightning-otel",
-                 "policy_version": engine.policy_version}]})
-        if path == "/health":
-            return self._json(200, {"status": "ok"})
-        self._error(404, f"no endpoint GET {path}", "not_found")
-
-    def do_POST(self) -> None:  # noqa: N802
-        gateway = self.server.gateway
-        length = self.body_length  # framing checked by KeepAliveHandler: one plain Content-Length, or none
-        if length is None:
-            self.close_connection = True
-            return self._error(411, "Content-Length is required")
-        if length > gateway.config.max_body_bytes:
-            self.discard_body(length, 4 * gateway.config.max_body_bytes)
-            return self._error(413, f"request body is over the {gateway.config.max_body_bytes}-byte limit")
-        raw = self.read_body()
-        headers = {k.lower(): v for k, v in self.headers.items()}
-        try:
-            rollout_id, path = self._route()
-            body = parse_body(raw)
-            if path in ("/v1/chat/completions", "/chat/completions"):
-                response = gateway.chat(body, headers, rollout_id)
-                if body.get("stream"):
-                    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                    return self._send(200, "text/event-stream", _stream_events(response, include_usage))
-                response.pop("_token_pieces", None)
-                return self._json(200, response)
-            if path in ("/v1/responses", "/responses"):
-                response = gateway.respond(body, headers, rollout_id)
-                if body.get("stream"):
-                    return self._send(200, "text/event-stream", responses.stream_events(response))
-                response.pop("_token_pieces", None)
-                return self._json(200, response)
-            if path in ("/v1/completions", "/completions"):
-                return self._json(200, gateway.complete(body, headers, rollout_id))
-            return self._error(404, f"no endpoint POST {path}", "not_found")
-        except BadRequest as exc:
-            return self._error(exc.status, exc.message, param=exc.param)
-        except EngineError as exc:
-            error = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {"message": str(exc)}
-            return self._json(exc.status, {"error": {**error, "code": exc.status}})
-        except Exception as exc:  # noqa: BLE001 - one bad request must not take the gateway down
-            log.exception("gateway error on %s", self.path[:200])
-            return self._error(500, f"internal error: {exc}", "server_error")

@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -76,10 +77,12 @@ def engine_for_policy(policy: Policy, engine: PolicyEngine | None, owned: ExitSt
 
 def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: str | None = None,
                  ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
-                 engine: PolicyEngine | None = None, chat_template: Path | None = None) -> None:
-    """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on 127.0.0.1:port. An engine
+                 engine: PolicyEngine | None = None, chat_template: Path | None = None, host: str = "127.0.0.1",
+                 api_key: str | None = None, insecure_no_auth: bool = False) -> None:
+    """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on host:port. An engine
     already running on the policy's base model may be given instead of starting one. `chat_template`: a Jinja
-    file the gateway renders prompts with instead of the model's own template."""
+    file the gateway renders prompts with instead of the model's own template. `api_key`: the key requests must
+    send; a host other machines reach needs one (or `insecure_no_auth`), which is checked before anything starts."""
     from lightning_otel.serve.chat_tools import read_chat_template, template_renders_tools
     from lightning_otel.serve.gateway import Gateway, GatewayConfig
     from lightning_otel.span_store import discovery
@@ -87,6 +90,8 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
 
     python = python or default_engine_python()
     template = read_chat_template(chat_template) if chat_template is not None else None
+    settings = GatewayConfig(host=host, port=port, api_key=api_key, insecure_no_auth=insecure_no_auth,
+                             chat_template=template)
     policy: Policy = resolve_policy(spec, python)
     with ExitStack() as owned:
         collector_url = collector_token = None
@@ -99,9 +104,8 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
                 info = collector.info
             collector_url, collector_token = info.url, info.ingest_token
         engine = engine_for_policy(policy, engine, owned, python)
-        gateway = Gateway(engine, GatewayConfig(port=port, collector_url=collector_url, collector_token=collector_token,
-                                                chat_template=template,
-                                                native_tools=template_renders_tools(policy.base_model, template)))
+        gateway = Gateway(engine, replace(settings, collector_url=collector_url, collector_token=collector_token,
+                                          native_tools=template_renders_tools(policy.base_model, template)))
         gateway.start()
         owned.callback(gateway.close)
         if ready:
