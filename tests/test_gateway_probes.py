@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from conftest import post
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits
+from lightning_otel.serve import responses
 from lightning_otel.serve.request_checks import (MAX_JSON_DEPTH, BadRequest, check_chat, check_completion,
                                                  check_rollout_id, parse_body)
 from lightning_otel.span_store import client
@@ -133,7 +134,37 @@ PROBES = [
     ("completion-stream", json.dumps({"prompt": "x", "stream": True}).encode(), "completions", 400, "streaming",
      "stream"),
 ]
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# The Responses API: the same body checks, then its own fields and items (serve/responses.py).
+RESPONSES_TOOL = {"type": "function", "name": "execute_sql", "parameters": TOOL["function"]["parameters"]}
+FULL_RESPONSES = {"model": "gpt-4o", "instructions": "Answer with SQL.", "max_output_tokens": 2, "temperature": 0.5,
+                  "top_p": 1.0, "tools": [RESPONSES_TOOL], "tool_choice": "auto", "parallel_tool_calls": True,
+                  "store": True, "metadata": {"k": "v"}, "include": [], "truncation": "disabled",
+                  "input": [{"role": "user", "content": [{"type": "input_text", "text": "How many singers?"}]},
+                            {"type": "function_call", "call_id": "c1", "name": "execute_sql",
+                             "arguments": "{\"query\": \"SELECT 1\"}"},
+                            {"type": "function_call_output", "call_id": "c1", "output": "1"}]}
+
+
+def responses_body(**fields) -> bytes:
+    return json.dumps({"input": "hi", "max_output_tokens": 2, **fields}).encode()
+
+
+PROBES += [
+    ("responses-not-an-object", b"[1]", "responses", 400, "JSON object", None),
+    ("responses-input-missing", json.dumps({"max_output_tokens": 2}).encode(), "responses", 400, "'input'",
+     "input"),
+    ("responses-input-a-number", responses_body(input=5), "responses", 400, "input", "input"),
+    ("responses-item-a-string", responses_body(input=["hi"]), "responses", 400, "input", None),
+    ("responses-max-output-negative", responses_body(max_output_tokens=-1), "responses", 400, "positive integer",
+     "max_output_tokens"),
+    ("responses-tools-a-string", responses_body(tools="execute_sql"), "responses", 400, "tools", None),
+    ("responses-hosted-tool", responses_body(tools=[{"type": "web_search"}]), "responses", 400, "web_search", None),
+    ("responses-unknown-previous", responses_body(previous_response_id="resp_nope"), "responses", 400,
+     "not here", "previous_response_id"),
+    ("responses-background", responses_body(background=True), "responses", 400, "background", "background"),
+    ("responses-metadata-numbers", responses_body(metadata={"k": 1}), "responses", 400, "metadata", "metadata"),
+]
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 
 
 # ---- the checks alone (no engine) -----------------------------------------------------------------------
@@ -149,6 +180,8 @@ def refusal(check, *args) -> BadRequest:
 def test_each_probe_is_refused_by_the_checks_before_the_engine(raw, route, needle, param):
     def check() -> None:
         body = parse_body(raw)
+        if route == "responses":
+            return check_chat(check_responses_request(body), 16)
         (check_chat if route == "chat" else check_completion)(body, 16)
 
     error = refusal(check)
@@ -227,6 +260,31 @@ def test_wrong_values_anywhere_are_accepted_or_refused_with_a_bad_request(path, 
     type (what became a 500, or a dropped connection, in the gateway)."""
     try:
         check_chat(parse_body(json.dumps(mutated(path, value)).encode()), 16)
+    except BadRequest as exc:
+        assert exc.status == 400 and exc.message
+
+
+def check_responses_request(body) -> dict:
+    """What the gateway checks of a Responses request before the engine: its own fields, then the chat request
+    it becomes (with an empty store: no earlier response to continue)."""
+    responses.check_responses(body)
+    chat, _ = responses.to_chat(body, responses.ResponseStore(4))
+    return chat
+
+
+FULL_RESPONSES_PATHS = paths(FULL_RESPONSES)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.sampled_from(FULL_RESPONSES_PATHS), json_values())
+def test_wrong_values_anywhere_in_a_responses_request_are_accepted_or_refused(path, value):
+    body = copy.deepcopy(FULL_RESPONSES)
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    try:
+        check_chat(check_responses_request(parse_body(json.dumps(body).encode())), 16)
     except BadRequest as exc:
         assert exc.status == 400 and exc.message
 
@@ -347,6 +405,19 @@ def test_fuzzed_requests_never_get_a_500(probed, path, value):
     if code == 400:
         error = json.loads(raw)["error"]
         assert isinstance(error["message"], str) and error["code"] == 400
+
+
+@settings(max_examples=20, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(path=st.sampled_from(FULL_RESPONSES_PATHS), value=json_values())
+def test_fuzzed_responses_requests_never_get_a_500(probed, path, value):
+    body = copy.deepcopy(FULL_RESPONSES)
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    code, _, raw = post(probed.url + "/r/ro-fuzz/v1/responses", json.dumps(body).encode(), "application/json")
+    assert code in (200, 400), raw[:500]
 
 
 def test_the_gateway_still_serves_after_the_fuzzer(probed):

@@ -166,7 +166,7 @@ def input_messages(items: Any) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, not {json.dumps(role)[:40]}",
                                  f"{where}.role")
             messages.append({"role": ROLES[role], "content": _content_text(item.get("content"), f"{where}.content")})
