@@ -188,15 +188,20 @@ def test_the_model_folder_template_or_a_named_format_decides(tmp_path):
         tool_format("Hermes")
 
 
-@pytest.mark.parametrize("name,file", TEMPLATES.items())
-def test_each_family_template_renders_a_past_call_as_the_format_opens_one(name, file):
-    """The opening a forced call continues is what the family's template renders before a past call's arguments,
-    and continuing an assistant turn that holds it ends the prompt there (a trimming template, Llama's, drops its
-    trailing space: the model writes that itself)."""
+@pytest.fixture(scope="module")
+def hf_tokenizer():
     from transformers import AutoTokenizer
 
     from lightning_otel.serve.model import bundled_model_dir
-    tokenizer = AutoTokenizer.from_pretrained(str(bundled_model_dir()))
+    return AutoTokenizer.from_pretrained(str(bundled_model_dir()))
+
+
+@pytest.mark.parametrize("name,file", TEMPLATES.items())
+def test_each_family_template_renders_a_past_call_as_the_format_opens_one(name, file, hf_tokenizer):
+    """The opening a forced call continues is what the family's template renders before a past call's arguments,
+    and continuing an assistant turn that holds it ends the prompt there (a trimming template, Llama's, drops its
+    trailing space: the model writes that itself)."""
+    tokenizer = hf_tokenizer
     template, fmt = (FIXTURES / file).read_text(), FORMATS[name]
     ask = [{"role": "user", "content": "Weather in London?"}]
     history = [*ask, past_call(("get_weather", {"city": "London"})),
