@@ -1,7 +1,8 @@
 """Tools on a model whose chat template renders them, over the real engine: the bundled SmolLM2 given a
 ChatML template with a tools block (tests/fixtures/chatml_tools.jinja) through the gateway's chat_template
 option, so the shared engine serves it. An unchanged OpenAI SDK tools loop under opentelemetry-instrument,
-tool_choice "required" among several tools, and a template that cannot render."""
+tool_choice "required" among several tools, a template that cannot render, and a named call under a Llama-style
+template (tests/fixtures/llama3_tools.jinja), whose format is detected from it."""
 from __future__ import annotations
 
 import json

@@ -77,7 +77,7 @@ class GatewayConfig:
     chat_template: str | None = None
     # Whether the template renders `tools` itself (chat_tools: native), else the gateway renders them into the
     # messages. None: decided from chat_template when one is given (else False); callers that know the model
-    # pass chat_tools.template_renders_tools(model_dir, chat_template).
+    # pass chat_tools.template_tools(model_dir, chat_template).native.
     native_tools: bool | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients

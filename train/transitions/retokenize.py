@@ -21,7 +21,10 @@ and compares (`lightning-otel compile --drift`). A call whose answer the gateway
 "required" or a named function: its record's lightning.prompt.forced_prefix) has that opening at the end of
 its prompt ids, while the recorded messages hold it as the start of the answer: it is re-tokenised the way the
 gateway sent it (prompt continued after the opening, completion without it), so only real drift is counted,
-and such calls are counted apart.
+and such calls are counted apart. The tool syntax is the gateway's: the one named (compile --tool-format), else
+detected from the same template as the gateway detects it (chat_tools.template_tools), so Llama's and Mistral's
+calls and openings are re-tokenised in their own syntax. A template that trims the assistant turn (Llama's)
+drops an opening's trailing space from the prompt; the model wrote that space, so it stays in the completion.
 """
 from __future__ import annotations
 
