@@ -31,6 +31,7 @@ from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, check_i
 from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.policy import resolve_policy
 from lightning_otel.serve.serving import engine_for_policy
+from lightning_otel.serve.toolcalls import tool_format
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class EvalConfig:
     rollout_timeout_s: float = 300.0     # seconds one rollout may run before it is killed
     engine_python: str | None = None     # Python that runs vLLM; default: the project's engine venv
     chat_template: Path | None = None    # a Jinja chat template file the gateway renders with (the model's own: None)
+    tool_format: str | None = None       # the call syntax (serve.toolcalls.FORMATS); None: detected from the template
 
     def __post_init__(self) -> None:
         self.tasks, self.report = Path(self.tasks), Path(self.report)
@@ -80,6 +82,8 @@ class EvalConfig:
                             f"earlier evaluation")
         if self.data_dir is not None and not self.data_dir.is_dir():
             raise UserError(f"data_dir {self.data_dir} is not a folder")
+        if self.tool_format is not None:
+            tool_format(self.tool_format)  # an unknown name is refused before anything starts
 
     def to_dict(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -101,7 +105,7 @@ def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
                                    task_pack=config.task_pack,
                                    data_dir=config.data_dir, rollout_timeout_s=config.rollout_timeout_s,
                                    max_tokens=config.max_tokens, temperature=config.temperature,
-                                   chat_template=config.chat_template)
+                                   chat_template=config.chat_template, tool_format=config.tool_format)
     tasks = load_tasks(config.tasks)
     check_inputs(rollout_config, tasks)  # bad tasks or commands fail before an engine starts
     baseline = read_summary(config.baseline) if config.baseline else None

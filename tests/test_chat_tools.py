@@ -1,7 +1,8 @@
 """How the gateway puts tools before the engine and keeps tool_choice (no engine): which tool a forced call
 names, what reaches vLLM for a template that renders tools and for one that does not, the request that
 chooses a tool among several, and (over a scripted stand-in engine) how a call forced among several tools is
-generated, answered and recorded, and when a refusal is named a template error."""
+generated, answered and recorded, and when a refusal is named a template error; the same forcing in every tool
+format (Llama 3.x JSON, Mistral's two), detected from a template in its family's style or named."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -191,3 +192,91 @@ def test_a_refusal_is_named_a_template_error_only_when_the_template_cannot_rende
     with pytest.raises(EngineError, match="no tools here"):  # rendering works: the engine's own refusal
         gateway.chat({"messages": ASK}, {}, None)
     gateway.close()
+
+
+class FormatEngine(ScriptedEngine):
+    """ScriptedEngine whose forced generations end a call in a given format's syntax (`rest`, after the opening)."""
+
+    def __init__(self, rest: str, names=()):
+        super().__init__(names)
+        self.rest = rest
+
+    def generate(self, path: str, body: dict, timeout: float = 600) -> dict:
+        result = super().generate(path, body, timeout)
+        if "structured_outputs" not in body:
+            for choice in result["choices"]:
+                choice["message"]["content"] = self.rest
+        return result
+
+
+# Per format: the template in its family's style, and what a model writes after a forced opening.
+FAMILIES = {"hermes": ("chatml_tools.jinja", "{}}\n</tool_call>"), "llama3_json": ("llama3_tools.jinja", "{}}"),
+            "mistral": ("mistral_tools.jinja", "{}}]"), "mistral_v11": ("mistral_v11_tools.jinja", "{}")}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_format_forces_a_call_and_records_its_opening(name):
+    from lightning_otel.serve.toolcalls import FORMATS
+    file, rest = FAMILIES[name]
+    fmt, template = FORMATS[name], (FIXTURES / file).read_text()
+    engine = FormatEngine(rest, names=["add", "weather"])
+    gateway, spans = recording_gateway(engine, chat_template=template)  # the format is detected from the template
+    assert (gateway.config.tool_format, gateway.config.native_tools, gateway.format) == (name, True, fmt)
+    try:
+        named = gateway.chat({"messages": ASK, "tools": [tool("weather"), tool("add")], "max_tokens": 8,
+                              "tool_choice": {"type": "function", "function": {"name": "add"}}}, {}, None)
+        several = gateway.chat({"messages": ASK, "tools": [tool("weather"), tool("add")], "tool_choice": "required",
+                                "n": 2, "max_tokens": 8}, {}, None)
+        auto = gateway.chat({"messages": ASK, "tools": [tool("weather")], "max_tokens": 8}, {}, None)
+    finally:
+        gateway.close()
+    forced, choice, add, weather, free = engine.requests
+    assert forced["messages"][-1] == {"role": "assistant", "content": fmt.forced_prefix("add")}
+    assert choice["messages"][-1]["content"] == fmt.forced_prefix(None)  # the name choice continues here
+    assert choice["structured_outputs"] == {"choice": ["weather", "add"]} and choice["n"] == 2
+    assert [r["messages"][-1]["content"] for r in (add, weather)] == [fmt.forced_prefix("add"),
+                                                                      fmt.forced_prefix("weather")]
+    assert all(r["tools"] and r["tool_choice"] == "none" for r in engine.requests)
+    # Mistral's markers are special tokens: the engine keeps them in the text whenever tools are offered.
+    assert {r.get("skip_special_tokens", True) for r in engine.requests} == {not fmt.keep_special_tokens}
+    assert "continue_final_message" not in free
+    calls = [(c["message"]["tool_calls"][0]["function"]["name"], c["message"]["tool_calls"][0]["function"]["arguments"],
+              c["finish_reason"]) for response in (named, several) for c in response["choices"]]
+    assert calls == [("add", "{}", "tool_calls"), ("add", "{}", "tool_calls"), ("weather", "{}", "tool_calls")]
+    assert auto["choices"][0]["message"] == {"role": "assistant", "content": rest}  # unforced "{}" is text
+    records = [s.attributes.get("lightning.prompt.forced_prefix") for s in spans.get_finished_spans()]
+    assert records == [fmt.forced_prefix("add"), fmt.forced_prefix("add"), fmt.forced_prefix("weather"), None]
+
+
+def test_mistral_calls_get_ids_its_templates_accept_and_a_named_format_overrides_detection():
+    engine = FormatEngine("{}}]")
+    gateway, _ = recording_gateway(engine, chat_template=(FIXTURES / "mistral_tools.jinja").read_text())
+    try:
+        body = {"messages": ASK, "tools": [tool("add")], "tool_choice": "required", "max_tokens": 8}
+        call = gateway.chat(body, {}, None)["choices"][0]["message"]["tool_calls"][0]
+    finally:
+        gateway.close()
+    assert call["id"].isalnum() and len(call["id"]) == 9
+    assert GatewayConfig(chat_template=TEMPLATE, tool_format="llama3_json").tool_format == "llama3_json"
+    assert GatewayConfig(tool_format="mistral_v11").native_tools is False  # no template given: rendered
+    with pytest.raises(UserError, match="tool format 'qwen' is unknown: choose one of hermes, llama3_json"):
+        GatewayConfig(tool_format="qwen")
+
+
+@pytest.mark.parametrize("name", ["llama3_json", "mistral", "mistral_v11"])
+def test_a_template_without_tools_gets_them_rendered_in_the_named_format(name):
+    from lightning_otel.serve.toolcalls import FORMATS
+    fmt = FORMATS[name]
+    engine = FormatEngine(FAMILIES[name][1])
+    gateway, _ = recording_gateway(engine, tool_format=name)
+    try:
+        body = {"messages": HISTORY, "tools": [tool("weather")], "tool_choice": "required", "max_tokens": 8}
+        message = gateway.chat(body, {}, None)["choices"][0]["message"]
+    finally:
+        gateway.close()
+    sent = engine.requests[0]["messages"]
+    assert "tools" not in engine.requests[0] and all(isinstance(m["content"], str) for m in sent)
+    assert sent[-3]["content"].startswith(fmt.forced_prefix("weather"))  # the past call, in the format's syntax
+    assert "sunny" in sent[-2]["content"] and sent[-2]["role"] in ("user", "ipython")
+    assert sent[-1] == {"role": "assistant", "content": fmt.forced_prefix("weather")}
+    assert message["tool_calls"][0]["function"] == {"name": "weather", "arguments": "{}"}

@@ -72,3 +72,79 @@ def test_the_chat_template_option_is_one_file_everywhere(tmp_path):
     with pytest.raises(UserError, match="applied by the gateway"):
         RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", chat_template=template, base_url="http://127.0.0.1:9/v1")
     assert RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", chat_template=str(template)).chat_template == template
+
+
+def test_the_tool_format_option_names_a_known_format_everywhere(tmp_path, monkeypatch, capsys):
+    from lightning_otel.eval import EvalConfig
+    from lightning_otel.rollouts.runner import RolloutConfig
+    from lightning_otel.serve import serving
+    from lightning_otel.train.config import TrainConfig
+    from lightning_otel.train.transitions.compile import CompileConfig
+
+    parser = build_parser()
+    for command, rest in [*COMMANDS.items(), ("serve", ["base"]), ("compile", ["--out", "o.parquet"])]:
+        assert parser.parse_args([command, *rest, "--tool-format", "llama3_json"]).tool_format == "llama3_json"
+        assert parser.parse_args([command, *rest]).tool_format is None  # detected from the chat template
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, *rest, "--tool-format", "llama3"])
+        err = capsys.readouterr().err
+        assert "--tool-format: invalid choice: 'llama3'" in err and "mistral_v11" in err
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"id": "1"}\n')
+    known = "choose one of hermes, llama3_json, mistral, mistral_v11"
+    for make in (lambda f: RolloutConfig(tasks=tasks, agent="a", tool_format=f),
+                 lambda f: EvalConfig(tasks=tasks, agent="a", report=tmp_path / "r", reward="number_match",
+                                      tool_format=f),
+                 lambda f: CompileConfig(db=tmp_path / "db", tool_format=f),
+                 lambda f: TrainConfig(tool_format=f)):
+        assert make("mistral").tool_format == "mistral"
+        with pytest.raises(UserError, match=known):
+            make("Mistral")
+    assert TrainConfig().tool_format == "" and RolloutConfig(tasks=tasks, agent="a").tool_format is None
+    with pytest.raises(UserError, match="tool_format is applied by the gateway"):
+        RolloutConfig(tasks=tasks, agent="a", tool_format="hermes", base_url="http://127.0.0.1:9/v1")
+    # The commands hand the option on.
+    seen = {}
+
+    def stop_at(what: str):
+        def record(*args, **kwargs):
+            seen[what] = (args, kwargs)
+            raise KeyError(what)
+        return record
+
+    monkeypatch.setattr("lightning_otel.rollouts.runner.run_rollouts", stop_at("rollout"))
+    monkeypatch.setattr(serving, "serve_policy", stop_at("serve"))
+    monkeypatch.setattr("lightning_otel.eval.evaluate", stop_at("eval"))
+    monkeypatch.setattr("lightning_otel.train.transitions.compile.compile_transitions", stop_at("compile"))
+    for argv in (["rollout", "--tasks", str(tasks), "--agent", "a", "--tool-format", "mistral"],
+                 ["serve", "base", "--tool-format", "mistral_v11"],
+                 ["eval", "--tasks", str(tasks), "--agent", "a", "--report", str(tmp_path / "r"), "--reward",
+                  "number_match", "--tool-format", "llama3_json"],
+                 ["compile", "--out", "o.parquet", "--tool-format", "hermes"]):
+        args = parser.parse_args(argv)
+        with pytest.raises(KeyError):
+            args.func(args)
+    assert seen["rollout"][0][0].tool_format == "mistral" and seen["serve"][1]["tool_format"] == "mistral_v11"
+    assert seen["eval"][0][0].tool_format == "llama3_json" and seen["compile"][0][0].tool_format == "hermes"
+
+
+def test_the_rollout_gateway_takes_the_format_named_else_the_models_templates(tmp_path):
+    import json
+    from contextlib import ExitStack
+    from types import SimpleNamespace
+
+    from conftest import FIXTURES
+    from lightning_otel.rollouts.runner import RolloutConfig, start_gateway
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": (FIXTURES / "llama3_tools.jinja").read_text()}))
+    engine = SimpleNamespace(config=SimpleNamespace(model_dir=model))
+    collector = SimpleNamespace(url=None, ingest_token=None)
+    (tmp_path / "t.jsonl").write_text('{"id": "1"}\n')
+    for named, expected in ((None, "llama3_json"), ("mistral", "mistral")):
+        with ExitStack() as owned:
+            config = RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", tool_format=named)
+            gateway = start_gateway(config, collector, engine, owned)
+            assert (gateway.config.tool_format, gateway.config.native_tools) == (expected, True)

@@ -1,7 +1,8 @@
 """Tools on a model whose chat template renders them, over the real engine: the bundled SmolLM2 given a
 ChatML template with a tools block (tests/fixtures/chatml_tools.jinja) through the gateway's chat_template
 option, so the shared engine serves it. An unchanged OpenAI SDK tools loop under opentelemetry-instrument,
-tool_choice "required" among several tools, and a template that cannot render."""
+tool_choice "required" among several tools, a template that cannot render, and a named call under a Llama-style
+template (tests/fixtures/llama3_tools.jinja), whose format is detected from it."""
 from __future__ import annotations
 
 import json
@@ -145,3 +146,33 @@ def test_a_template_that_cannot_render_is_named_in_the_answer(engine):
     assert status == 400
     assert json.loads(raw)["error"]["message"] == \
         "the gateway's chat_template could not render this request: this template takes no tools"
+
+
+def test_a_llama_style_template_gets_a_forced_call_in_llama_syntax(engine):
+    """The bundled model given a Llama-3-style tool template (tests/fixtures/llama3_tools.jinja): the format is
+    detected from it, the named call opens as Llama writes one ({"name": ..., "parameters": ), the template trims
+    the opening's trailing space off the prompt, and the answer parses into an OpenAI call."""
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
+    from lightning_otel.serve.toolcalls import FORMATS
+    engine.use_base()
+    gw = Gateway(engine, GatewayConfig(chat_template=(FIXTURES / "llama3_tools.jinja").read_text()))
+    assert (gw.config.tool_format, gw.config.native_tools) == ("llama3_json", True)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "Weather in London?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c0", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "London"}'}}]},
+                {"role": "tool", "tool_call_id": "c0", "content": "rain"},
+                {"role": "assistant", "content": "It rains in London."},
+                {"role": "user", "content": "Weather in Paris?"}]
+    try:
+        answer = gw.chat({"messages": messages, "tools": tools, "max_tokens": 12, "temperature": 0,
+                          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, {}, None)
+    finally:
+        gw.close()
+    choice = answer["choices"][0]
+    opening = FORMATS["llama3_json"].forced_prefix("get_weather")
+    assert choice["finish_reason"] == "tool_calls", choice
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and isinstance(json.loads(call["arguments"]), dict)
+    assert answer["_token_pieces"][0][0] == opening  # the opening, then what the policy wrote

@@ -125,7 +125,8 @@ def test_calls_without_records_are_retokenised_to_the_engines_ids(tmp_path):
     assert (both["reward"] == both["reward_re"]).all()
     assert both["advantage"].to_list() == pytest.approx(both["advantage_re"].to_list())  # summation order aside
     _, without = compile_transitions(CompileConfig(db=stripped, reward="sql_form"))
-    assert without.excluded["LLM call without a token record (no tokenizer to re-tokenise it with: give --tokenizer)"] == 12
+    reason = "LLM call without a token record (no tokenizer to re-tokenise it with: give --tokenizer)"
+    assert without.excluded[reason] == 12
 
 
 def test_drift_of_the_recorded_rollouts(tmp_path, capsys):
@@ -184,6 +185,33 @@ def test_a_forced_opening_is_retokenised_as_prompt_and_counted_apart_from_drift(
     unaccounted = measure_drift(engine.drop("forced_prefix"), chat_tokenizer.encode(forced_call_rows(None)))
     assert (unaccounted.prompt_differs, unaccounted.completion_differs, unaccounted.forced) == (1.0, 1.0, 0)
     assert "forced" not in "\n".join(unaccounted.lines())
+
+
+@pytest.mark.parametrize("file,name", [("llama3_tools.jinja", "llama3_json"),
+                                       ("mistral_v11_tools.jinja", "mistral_v11")])
+def test_a_forced_call_in_another_format_is_retokenised_with_the_gateways_opening(file, name):
+    """The re-tokeniser takes the gateway's format, detected from the same template (or named), so a forced call
+    of a Llama or Mistral template counts no drift. Llama's template trims the turn, so the prompt ends before the
+    opening's trailing space and the completion starts with it, as the engine's did."""
+    from lightning_otel.serve.model import bundled_model_dir
+    from lightning_otel.serve.toolcalls import FORMATS
+    template, fmt = (FIXTURES / file).read_text(), FORMATS[name]
+    tokenizer = ChatTokenizer.load(bundled_model_dir(), chat_template=template)
+    assert (tokenizer.format, tokenizer.native_tools) == (fmt, True)
+    assert ChatTokenizer.load(bundled_model_dir(), "hermes", template).format is FORMATS["hermes"]
+    opening = fmt.forced_prefix("execute_sql")
+    messages, tools = openai_messages(None, ASKED), openai_tools(TOOL_PARTS)
+    prompt = tokenizer.prompt_text(messages, tools, opening)
+    written = ' {"query": "SELECT 1"}}' if name == "llama3_json" else '{"query": "SELECT 1"}'
+    assert prompt.endswith(opening.rstrip()) and prompt.endswith(opening) == (name != "llama3_json")
+    answer = assistant_message(CALLED)[0]
+    assert tokenizer.completion_text(answer, opening, prompt) == written
+    ids = lambda text: tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    engine = pl.DataFrame({"trace_id": ["t"], "span_id": ["s"], "forced_prefix": [opening],
+                           "prompt_ids": [ids(prompt)],
+                           "completion_ids": [ids(written) + [tokenizer.tokenizer.eos_token_id]]})
+    measured = measure_drift(engine, tokenizer.encode(forced_call_rows(opening)))
+    assert (measured.calls, measured.prompt_differs, measured.completion_differs, measured.forced) == (1, 0, 0, 1)
 
 
 def test_a_template_that_renders_tools_is_given_them_as_vllm_gives_them():

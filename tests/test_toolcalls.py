@@ -5,10 +5,11 @@ import json
 
 import pytest
 
+from lightning_otel.errors import UserError
 from lightning_otel.serve.toolcalls import HermesToolFormat, tool_format
 
-TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "Run SQL",
-                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+QUERY = {"type": "object", "properties": {"query": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "Run SQL", "parameters": QUERY}}]
 hermes = HermesToolFormat()
 OFFERED = {"execute_sql", "a", "b"}
 
@@ -50,8 +51,8 @@ def test_render_puts_tools_in_the_system_prompt_and_tool_turns_in_text():
     messages = [
         {"role": "system", "content": "You write SQL."},
         {"role": "user", "content": [{"type": "text", "text": "How many?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "execute_sql", "arguments": '{"query": "SELECT 1"}'}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "execute_sql", "arguments": '{"query": "SELECT 1"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "[[3]]"},
     ]
     out = hermes.render_messages(messages, TOOLS)
@@ -68,7 +69,7 @@ def test_render_puts_tools_in_the_system_prompt_and_tool_turns_in_text():
 
 
 def test_unknown_format():
-    with pytest.raises(ValueError, match="unknown tool format"):
+    with pytest.raises(UserError, match="tool format .nope. is unknown: choose one of hermes, llama3_json, mistral"):
         tool_format("nope")
 
 

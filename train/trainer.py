@@ -12,7 +12,8 @@ The run folder: config.toml (resolved config), run.json (progress: rounds comple
 checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
 tensorboard/, reward_curve.png, traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model,
 state}, pool.jsonl (with pool_min_pass / pool_max_pass: every task's pass rate under the starting policy and
-whether the rounds use it); while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*; train/sft.py).
+whether the rounds use it); while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*;
+train/sft.py).
 Randomness is derived from (seed, round), so a resumed round draws the same tasks and batch order.
 """
 from __future__ import annotations
@@ -152,7 +153,8 @@ class Trainer:
                                data_dir=Path(c.data_dir) if c.data_dir else None,
                                rollout_timeout_s=c.rollout_timeout_s, max_tokens=max_tokens,
                                temperature=temperature, work_dir=self.folder.path / "work", max_calls=max_calls,
-                               answers=answers, chat_template=Path(c.chat_template) if c.chat_template else None)
+                               answers=answers, chat_template=Path(c.chat_template) if c.chat_template else None,
+                               tool_format=c.tool_format or None)
         return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine,
                             worker=self._agent_worker())
 

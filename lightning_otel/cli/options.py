@@ -20,6 +20,14 @@ def add_chat_template(parser: argparse.ArgumentParser, what: str) -> None:
                              "`tools`, like Qwen's, shows the model its tools natively; docs/rollouts.md)")
 
 
+def add_tool_format(parser: argparse.ArgumentParser) -> None:
+    from lightning_otel.serve.toolcalls import FORMATS
+
+    parser.add_argument("--tool-format", choices=list(FORMATS), metavar="NAME",
+                        help=f"the syntax the model writes tool calls in: {', '.join(FORMATS)} (default: detected "
+                             "from the chat template, else hermes; docs/rollouts.md)")
+
+
 def add_task_pack(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--reward", required=required,
                         help="reward function: a name a task pack registers (spider_exec, spider_shaped, "

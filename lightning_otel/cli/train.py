@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from lightning_otel.cli.options import DeprecatedAlias, add_chat_template, add_db
+from lightning_otel.cli.options import DeprecatedAlias, add_chat_template, add_db, add_tool_format
 from lightning_otel.cli.render import StepProgress
 from lightning_otel.errors import UserError
 from lightning_otel.train.transitions.credit import ADVANTAGE_ALIASES, ADVANTAGES
@@ -21,7 +21,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                                        intermediate=args.intermediate or [],
                                                        turn_weight=args.turn_weight, merge_turns=args.merge_turns,
                                                        model=model, max_length=args.max_length, drift=args.drift,
-                                                       chat_template=args.chat_template))
+                                                       chat_template=args.chat_template,
+                                                       tool_format=args.tool_format))
     frame.write_parquet(args.out)
     per_episode = f" ({account.transitions_per_episode:.2f} per episode)" if account.compiled_rollouts else ""
     print(f"{account.transitions} transitions from {account.compiled_rollouts} of {account.rollouts} rollouts"
@@ -136,6 +137,7 @@ def register(sub) -> None:
     p.add_argument("--drift", action="store_true",
                    help="also re-tokenise calls that have a token record and report how often the ids differ")
     add_chat_template(p, "the gateway rendered prompts with (re-tokenising renders with it too)")
+    add_tool_format(p)
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("train", help="train the agent's policy: rounds of rollout and GRPO, or --offline",

@@ -57,6 +57,7 @@ from lightning_otel.rollouts.environment import agent_environment, capture_envir
 from lightning_otel.rollouts.packs import TaskPack, load_pack, pack_for_reward, pack_names
 from lightning_otel.rollouts.rewards import call_reward, resolve_reward
 from lightning_otel.serve.engine import PolicyEngine
+from lightning_otel.serve.toolcalls import tool_format as known_tool_format
 
 if TYPE_CHECKING:
     from lightning_otel.rollouts.inprocess import AgentWorker
@@ -89,6 +90,7 @@ class RolloutConfig:
     max_calls: int | None = None  # model calls per rollout through the gateway; later ones are refused
     answers: list[str] | None = None  # scripted answers, one template per model call (module docstring)
     chat_template: Path | None = None  # a Jinja chat template file the gateway renders prompts with
+    tool_format: str | None = None  # the call syntax (serve.toolcalls.FORMATS); None: detected from the template
 
     def __post_init__(self) -> None:
         self.tasks, self.db = Path(self.tasks), Path(self.db)
@@ -124,6 +126,11 @@ class RolloutConfig:
                                 "renders prompts its own way: leave it out, or serve the policy here")
             if not self.chat_template.is_file():
                 raise UserError(f"chat_template {self.chat_template}: no such file; give a Jinja chat template file")
+        if self.tool_format is not None:
+            if self.base_url is not None:
+                raise UserError("tool_format is applied by the gateway that serves model; an outside base_url "
+                                "parses calls its own way: leave it out, or serve the policy here")
+            known_tool_format(self.tool_format)
         if self.base_url is not None and self.model is not None:
             raise UserError("give model (served here through the gateway) or base_url (an outside "
                             "OpenAI-compatible server, no token records), not both")
@@ -495,7 +502,7 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
     """The gateway over `engine`, or over a vLLM engine started here serving config.model: a policy as eval and
     serve take it (the bundled model by default, a run folder's best checkpoint, a checkpoint, an adapter or a
     model folder: lightning_otel.serve.policy)."""
-    from lightning_otel.serve.chat_tools import read_chat_template, template_renders_tools
+    from lightning_otel.serve.chat_tools import read_chat_template, template_tools
     from lightning_otel.serve.engine import default_engine_python
     from lightning_otel.serve.gateway import Gateway, GatewayConfig
     from lightning_otel.serve.policy import resolve_policy
@@ -505,9 +512,10 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
         python = default_engine_python()
         engine = engine_for_policy(resolve_policy(config.model or "base", python), None, owned, python)
     template = read_chat_template(config.chat_template) if config.chat_template is not None else None
+    tools = template_tools(engine.config.model_dir, template, config.tool_format)
     gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url,
                                             collector_token=collector_info.ingest_token, chat_template=template,
-                                            native_tools=template_renders_tools(engine.config.model_dir, template),
+                                            native_tools=tools.native, tool_format=tools.format,
                                             max_tokens_cap=config.max_tokens, temperature=config.temperature,
                                             max_calls_per_rollout=config.max_calls))
     gateway.start()

@@ -11,17 +11,26 @@ Two ways to show the model its tools, chosen per model:
   parser and guides nothing. Its parsers are not used because they need the engine started with one per
   model family, and the Hermes one needs `<tool_call>` to be a single token, which not every vocabulary has.
 
+Which way, and the call syntax (toolcalls: Hermes, Llama 3.x JSON, Mistral's two), are decided in one place,
+template_tools, from the template the engine renders with: native when it uses `tools`; the syntax named by the
+user, else detected from the template's markers (<tool_call>, [TOOL_CALLS], <|python_tag|> or Llama's
+{"name": ..., "parameters": ...} instruction), else Hermes. The gateway, serve, rollouts and the re-tokeniser
+all ask it. A format whose markers are special tokens (Mistral's) has the engine keep special tokens in the
+text of requests that offer tools, so the markers survive to be parsed.
+
 Either way the gateway reads calls out of the generated text with its ToolFormat, and answers tool_choice as
 OpenAI defines it: "auto" lets the model choose; "none" offers no tools (none are rendered); "required"
 (LangChain's "any") is a call of one of the offered tools, and a named function a call of that tool. A forced
 call is an opening put at the end of the prompt for the policy to continue (an assistant message continued
-with continue_final_message): the call's opening and the tool's name, `{"name": "<tool>", "arguments": `
-in Hermes. With one tool offered, or one named, the name is known. With several, a first short generation
-picks it: the prompt is continued after `{"name": "` with the choice constrained to the offered names (vLLM's
-structured outputs, {"choice": [...]}), then the real generation continues after the full opening. The
-opening, the chosen name included, is prompt in the record (`lightning.prompt.forced_prefix` names it),
-never completion: the recorded completion is only what the policy sampled freely, so nothing is trained
-on tokens sampled under a constraint.
+with continue_final_message): the format's forced_prefix, the call's opening up to its arguments,
+`<tool_call>\n{"name": "<tool>", "arguments": ` in Hermes, `{"name": "<tool>", "parameters": ` in Llama's,
+`[TOOL_CALLS]<tool>[ARGS]` in Mistral v11's. With one tool offered, or one named, the name is known. With
+several, a first short generation picks it: the prompt is continued after the opening up to the name
+(forced_prefix(None): `<tool_call>\n{"name": "`, `[TOOL_CALLS]`, ...) with the choice constrained to the
+offered names (vLLM's structured outputs, {"choice": [...]}), then the real generation continues after the
+full opening. The opening, the chosen name included, is prompt in the record (`lightning.prompt.forced_prefix`
+names it), never completion: the recorded completion is only what the policy sampled freely, so nothing is
+trained on tokens sampled under a constraint.
 """
 from __future__ import annotations
 
@@ -31,7 +40,8 @@ from pathlib import Path
 
 from lightning_otel.errors import UserError
 from lightning_otel.serve.request_checks import forced_tool, offered_tools
-from lightning_otel.serve.toolcalls import ToolFormat
+from lightning_otel.serve import toolcalls
+from lightning_otel.serve.toolcalls import ToolFormat, detect_tool_format
 
 # What a name choice must not inherit from the request: stops and constraints that could cut or bend the name,
 # and answers the choice has no use for.
@@ -75,6 +85,8 @@ def chat_upstream(body: dict, plan: ToolPlan, tool_format: ToolFormat, native: b
             upstream.update(tools=plan.tools, tool_choice="none")
     elif plan.tools or has_tool_messages(body["messages"]):
         upstream["messages"] = tool_format.render_messages(body["messages"], plan.tools)
+    if plan.tools and tool_format.keep_special_tokens:
+        upstream["skip_special_tokens"] = False  # its call markers are special tokens: keep them to parse calls
     if chat_template is not None:
         upstream["chat_template"] = chat_template
     return upstream
@@ -105,15 +117,42 @@ def renders_tools(template: str) -> bool:
     return "tools" in template
 
 
-def template_renders_tools(model_dir: Path, chat_template: str | None = None) -> bool:
-    """Whether the template the engine renders with uses `tools`: the given one, else the model's own."""
-    if chat_template is not None:
-        return renders_tools(chat_template)
+@dataclass(frozen=True)
+class TemplateTools:
+    """How the template the engine renders with takes tools."""
+
+    native: bool  # it renders `tools` itself (else the gateway renders them into the messages)
+    format: str   # the call syntax calls are parsed from, forced in and rendered with (toolcalls.FORMATS)
+
+
+def model_templates(model_dir: Path) -> list[str]:
+    """The chat template(s) a model folder brings: chat_template.jinja and tokenizer_config.json's (a list of
+    named templates counts as its text)."""
     texts = [p.read_text() for p in (model_dir / "chat_template.jinja",) if p.is_file()]
     config = model_dir / "tokenizer_config.json"
     if config.is_file():
         texts.append(str(json.loads(config.read_text()).get("chat_template", "")))
-    return any(renders_tools(text) for text in texts)
+    return texts
+
+
+def template_tools(model_dir: Path | None, chat_template: str | None = None,
+                   tool_format: str | None = None) -> TemplateTools:
+    """The one place that decides, for the gateway and for re-tokenising, how tools meet the template the engine
+    renders with (`chat_template` when given, else the model folder's own; neither: none): native or not, and
+    the call syntax, `tool_format` when named (an unknown name is a UserError listing the known ones), else
+    detected from the template's markers (toolcalls.detect_tool_format: Hermes when it has none)."""
+    if chat_template is not None:
+        texts = [chat_template]
+    else:
+        texts = model_templates(Path(model_dir)) if model_dir is not None else []
+    name = tool_format or detect_tool_format("\n".join(texts))
+    toolcalls.tool_format(name)
+    return TemplateTools(any(renders_tools(text) for text in texts), name)
+
+
+def template_renders_tools(model_dir: Path, chat_template: str | None = None) -> bool:
+    """Whether the template the engine renders with uses `tools`: the given one, else the model's own."""
+    return template_tools(model_dir, chat_template).native
 
 
 def read_chat_template(path: Path | str) -> str:

@@ -10,14 +10,15 @@ decoding, ...: request_checks.OFF_POLICY_NEUTRAL) are stripped and listed in the
 (`off_policy_params`).
 Streaming is served from the finished generation, one SSE chunk per token (tool calls in one chunk).
 
-Tools (chat_tools.py): the gateway parses calls out of the generated text in the model's call syntax (Hermes
-by default) into OpenAI `tool_calls` (an offered tool, arguments a JSON object; anything else stays text).
-A chat template that renders `tools` (the model's, or `GatewayConfig.chat_template`, sent as vLLM's
-request-level chat_template) gets them as OpenAI `tools` with vLLM's tool_choice "none"; for one that cannot,
-tools and tool messages are rendered into the messages in the call syntax. `tool_choice` is the gateway's:
-"required" or a named function opens the call at the end of the prompt for the policy to continue (with
-several tools offered, a short generation constrained to their names picks one first), "none" shows no
-tools. The opening is prompt in the record (`lightning.prompt.forced_prefix`), never completion.
+Tools (chat_tools.py): the gateway parses calls out of the generated text in the model's call syntax (Hermes,
+Llama 3.x JSON or Mistral's: toolcalls; named, or detected from the chat template) into OpenAI `tool_calls`
+(an offered tool, arguments a JSON object; anything else stays text). A chat template that renders `tools`
+(the model's, or `GatewayConfig.chat_template`, sent as vLLM's request-level chat_template) gets them as OpenAI
+`tools` with vLLM's tool_choice "none"; for one that cannot, tools and tool messages are rendered into the
+messages in the call syntax. `tool_choice` is the gateway's: "required" or a named function opens the call at
+the end of the prompt for the policy to continue (with several tools offered, a short generation constrained
+to their names picks one first), "none" shows no tools. The opening is prompt in the record
+(`lightning.prompt.forced_prefix`), never completion.
 
 The Responses API (/v1/responses) is translated to a chat call and back (responses.py), streamed or not: its
 record is a chat call's, under the response's own id ("resp_..."), which the client's LLM spans carry too.
@@ -46,7 +47,7 @@ from opentelemetry.trace import SpanKind
 from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, check_exposure
-from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choice, plan_tools, renders_tools,
+from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choice, plan_tools, template_tools,
                                              with_opening)
 from lightning_otel.serve.engine import Engine, EngineError
 from lightning_otel.serve.gateway_http import GatewayHandler, GatewayServer
@@ -67,14 +68,16 @@ class GatewayConfig:
     port: int = 0
     collector_url: str | None = None
     collector_token: str | None = None
-    tool_format: str = "hermes"
+    # The call syntax (toolcalls.FORMATS). None: detected from chat_template when one is given (else Hermes);
+    # callers that know the model pass chat_tools.template_tools(model_dir, chat_template, name).format.
+    tool_format: str | None = None
     # A Jinja chat template the engine renders every chat request with, instead of the model's own (sent as
     # vLLM's request-level chat_template: the engine needs --trust-request-chat-template, which the engine the
     # project starts has; an attached vLLM must be started with it).
     chat_template: str | None = None
     # Whether the template renders `tools` itself (chat_tools: native), else the gateway renders them into the
     # messages. None: decided from chat_template when one is given (else False); callers that know the model
-    # pass chat_tools.template_renders_tools(model_dir, chat_template).
+    # pass chat_tools.template_tools(model_dir, chat_template).native.
     native_tools: bool | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
@@ -104,12 +107,10 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template.strip()):
             raise UserError("chat_template: give the text of a Jinja chat template (or None for the model's own)")
+        found = template_tools(None, self.chat_template, self.tool_format)
         if self.native_tools is None:
-            self.native_tools = self.chat_template is not None and renders_tools(self.chat_template)
-        try:
-            tool_format(self.tool_format)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+            self.native_tools = found.native
+        self.tool_format = found.format
         if not (isinstance(self.send_timeout_s, (int, float)) and self.send_timeout_s > 0):
             raise UserError(f"send_timeout_s={self.send_timeout_s!r}: give a positive number of seconds")
         if self.off_policy_params not in OFF_POLICY_MODES:

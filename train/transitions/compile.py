@@ -29,6 +29,7 @@ import polars as pl
 
 from lightning_otel.errors import UserError
 from lightning_otel.serve.chat_tools import read_chat_template
+from lightning_otel.serve.toolcalls import tool_format
 from lightning_otel.span_store import client
 from lightning_otel.train.transitions import trajectories
 from lightning_otel.train.transitions.credit import ADVANTAGES, EPS, Call, Reward, advantage_name, discounted_returns
@@ -81,6 +82,7 @@ class CompileConfig:
     # then excluded, with the reason).
     model: Path | str | None = None
     chat_template: Path | None = None  # the Jinja file the gateway rendered with (its chat_template), if one
+    tool_format: str | None = None  # the gateway's call syntax, if named (None: detected from the template)
     max_length: int | None = None  # prompt + completion tokens; a rollout with a longer call is excluded
     drift: bool = False  # also re-tokenise calls that have a token record and report the difference
     # Compile only these rollouts (a training round's): the accounting is then theirs, and the work does not
@@ -106,6 +108,8 @@ class CompileConfig:
             if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
                 raise UserError(f"model = {self.model}: no tokenizer there (tokenizer.json / tokenizer_config.json); "
                                 f"give a Hugging Face model folder, or 'bundled'")
+        if self.tool_format is not None:
+            tool_format(self.tool_format)  # an unknown name lists the known ones
         if self.chat_template is not None:
             self.chat_template = Path(self.chat_template)
             if not self.chat_template.is_file():
@@ -227,7 +231,7 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
             "no LLM call" if config.agents is None else "no LLM call of the selected agents")
     template = read_chat_template(config.chat_template) if config.chat_template is not None else None
     tokens = attach_tokens(calls.join(has_calls.select("rollout_id"), on="rollout_id", how="semi"),
-                           read, config.model, template)
+                           read, config.model, template, config.tool_format)
     account.retokenized_calls = tokens.retokenized
     for (reason,), group in tokens.excluded.group_by("reason"):
         exclude(group, reason)
@@ -239,7 +243,7 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
         exclude(over, f"over length (a call has more than {config.max_length} prompt + completion tokens)")
         kept = kept.join(over, on="rollout_id", how="anti")
     if config.drift:
-        account.drift = trajectories.drift(read, config.model, template)
+        account.drift = trajectories.drift(read, config.model, template, config.tool_format)
 
     # Credit on the calls without their token lists; the lists are joined once, to the final rows.
     steps = (calls.join(kept, on="rollout_id", how="inner")

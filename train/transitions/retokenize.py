@@ -21,7 +21,10 @@ and compares (`lightning-otel compile --drift`). A call whose answer the gateway
 "required" or a named function: its record's lightning.prompt.forced_prefix) has that opening at the end of
 its prompt ids, while the recorded messages hold it as the start of the answer: it is re-tokenised the way the
 gateway sent it (prompt continued after the opening, completion without it), so only real drift is counted,
-and such calls are counted apart.
+and such calls are counted apart. The tool syntax is the gateway's: the one named (compile --tool-format), else
+detected from the same template as the gateway detects it (chat_tools.template_tools), so Llama's and Mistral's
+calls and openings are re-tokenised in their own syntax. A template that trims the assistant turn (Llama's)
+drops an opening's trailing space from the prompt; the model wrote that space, so it stays in the completion.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import numpy as np
 import polars as pl
 
 from lightning_otel.errors import UserError
-from lightning_otel.serve.chat_tools import has_tool_messages, template_renders_tools
+from lightning_otel.serve.chat_tools import has_tool_messages, template_tools
 from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
@@ -108,8 +111,10 @@ class ChatTokenizer:
     format: ToolFormat
 
     @classmethod
-    def load(cls, model_dir: Path, tool_format_name: str = "hermes", chat_template: str | None = None) -> ChatTokenizer:
-        """The tokenizer of `model_dir`, rendering with `chat_template` (the gateway's) when given."""
+    def load(cls, model_dir: Path, tool_format_name: str | None = None, chat_template: str | None = None
+             ) -> ChatTokenizer:
+        """The tokenizer of `model_dir`, rendering with `chat_template` (the gateway's) when given, and with the
+        gateway's call syntax: `tool_format_name`, else detected from the template as the gateway detects it."""
         from transformers import AutoTokenizer
 
         try:
@@ -120,7 +125,8 @@ class ChatTokenizer:
             tokenizer.chat_template = chat_template
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{model_dir} has no chat template: its calls cannot be re-tokenised")
-        return cls(tokenizer, template_renders_tools(Path(model_dir), chat_template), tool_format(tool_format_name))
+        tools = template_tools(Path(model_dir), chat_template, tool_format_name)
+        return cls(tokenizer, tools.native, tool_format(tools.format))
 
     def prompt_text(self, messages: list[dict], tools: list[dict] | None, forced_prefix: str | None = None) -> str:
         """The prompt the gateway had the engine render: continued after `forced_prefix` when it forced one."""
@@ -134,11 +140,18 @@ class ChatTokenizer:
                                                       tools=tools, continue_final_message=True, tokenize=False)
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
-    def completion_text(self, message: dict, forced_prefix: str | None = None) -> str:
-        """The answer as the model writes it (calls in its tool syntax), less the opening the gateway forced."""
+    def completion_text(self, message: dict, forced_prefix: str | None = None, prompt: str | None = None) -> str:
+        """The answer as the model writes it (calls in its tool syntax), less the opening the gateway forced
+        where `prompt` (the prompt text) ends with it."""
         text = self.format.render_messages([message], None)[0]["content"] if message.get("tool_calls") \
             else message.get("content") or ""
-        return text[len(forced_prefix):] if forced_prefix and text.startswith(forced_prefix) else text
+        if not forced_prefix or not text.startswith(forced_prefix):
+            return text
+        # A template that trims the assistant turn (Llama's) ends the prompt before the opening's trailing
+        # space (`"parameters": `), which the model then writes itself: it is completion.
+        if prompt is not None and not prompt.endswith(forced_prefix):
+            forced_prefix = forced_prefix.rstrip()
+        return text[len(forced_prefix):]
 
     def encode(self, calls: pl.DataFrame) -> pl.DataFrame:
         """Re-tokenise calls (columns trace_id, span_id, system_instructions, input_messages, output_messages,
@@ -159,7 +172,7 @@ class ChatTokenizer:
                 continue
             forced = row.get("forced_prefix")
             prompts.append(self.prompt_text(messages, openai_tools(row["tool_definitions"]), forced))
-            completions.append(self.completion_text(answer[0], forced))
+            completions.append(self.completion_text(answer[0], forced, prompts[-1]))
             finished.append(answer[1] != "length")
             problems.append(None)
         prompt_ids = self._batch([p for p in prompts if p is not None])

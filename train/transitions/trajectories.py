@@ -68,10 +68,11 @@ class Tokens:
     retokenized: int = 0
 
 
-def load_tokenizer(model: Path | str | None, chat_template: str | None = None
+def load_tokenizer(model: Path | str | None, chat_template: str | None = None, tool_format: str | None = None
                    ) -> tuple[ChatTokenizer | None, str | None]:
     """The tokenizer of `model` ("bundled" = the bundled model), rendering with `chat_template` when given (the
-    one the gateway was given), or None and why not. An explicit folder that cannot be used is the user's error;
+    one the gateway was given) and writing calls in `tool_format` (None: detected from the template, as the
+    gateway detects it), or None and why not. An explicit folder that cannot be used is the user's error;
     the bundled model being unavailable only disables re-tokenisation (its rollouts are then excluded with the
     reason)."""
     if model is None:
@@ -79,11 +80,11 @@ def load_tokenizer(model: Path | str | None, chat_template: str | None = None
     from lightning_otel.serve.model import resolve_model
     if str(model) in ("bundled", "base"):
         try:
-            return ChatTokenizer.load(resolve_model(None), chat_template=chat_template), None
+            return ChatTokenizer.load(resolve_model(None), tool_format, chat_template), None
         except UserError as exc:
             log.warning("re-tokenisation is off: %s", exc)
             return None, f"the bundled model's tokenizer is unavailable: {exc}"
-    return ChatTokenizer.load(resolve_model(str(model)), chat_template=chat_template), None
+    return ChatTokenizer.load(resolve_model(str(model)), tool_format, chat_template), None
 
 
 def recorded_messages(read: Read, with_record: bool) -> pl.DataFrame:
@@ -91,7 +92,7 @@ def recorded_messages(read: Read, with_record: bool) -> pl.DataFrame:
 
 
 def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None,
-                  chat_template: str | None = None) -> Tokens:
+                  chat_template: str | None = None, tool_format: str | None = None) -> Tokens:
     """Token ids for every call: the gateway's record, else re-tokenised from the recorded messages
     (completion_logprobs = []); a rollout with a call that has neither a usable record nor readable
     messages is excluded with the reason. Lists stay in `lists` until the caller joins them last."""
@@ -106,7 +107,7 @@ def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None,
     missing = calls.filter(pl.col("record_span_id").is_null())
     retokenized = 0
     if missing.height:
-        tokenizer, why_not = load_tokenizer(model, chat_template)
+        tokenizer, why_not = load_tokenizer(model, chat_template, tool_format)
         if tokenizer is None:
             excluded.append(missing.select("rollout_id", pl.lit(f"{NO_RECORD} ({why_not})").alias("reason")))
         else:
@@ -136,10 +137,11 @@ def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None,
     return Tokens(calls, lists, reasons, retokenized)
 
 
-def drift(read: Read, model: Path | str | None, chat_template: str | None = None) -> Drift:
+def drift(read: Read, model: Path | str | None, chat_template: str | None = None,
+          tool_format: str | None = None) -> Drift:
     """Re-tokenise every call that has a token record and compare with the engine's ids; a call with a forced
     opening is re-tokenised with it in the prompt, as the gateway sent it (Drift.forced counts them)."""
-    tokenizer, why_not = load_tokenizer(model, chat_template)
+    tokenizer, why_not = load_tokenizer(model, chat_template, tool_format)
     if tokenizer is None:
         raise UserError(f"drift needs a tokenizer: {why_not}")
     engine = read(SQL_RECORDED_CALLS)
