@@ -53,6 +53,7 @@ def _text(content) -> str:
 
 class HermesToolFormat:
     name = "hermes"
+    call_start = "<tool_call>"
     CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def render_messages(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
