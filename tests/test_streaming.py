@@ -2,7 +2,8 @@
 gateway server in front of a stand-in engine whose stream is held at a gate before its last piece, so a test
 sees what reached the client before generation ended. Chat and Responses, read by the real OpenAI SDK; text
 held back where a tool call may begin; n > 1; the record written whole at the end, also when the client leaves
-or stops reading mid-stream. The same over the real engine is in test_gateway.py."""
+or stops reading mid-stream; and VLLMEngine.stream reading a canned event stream over HTTP. The same over the
+real engine is in test_gateway.py."""
 from __future__ import annotations
 
 import json
@@ -287,3 +288,56 @@ def test_a_responses_stream_sends_its_text_as_it_is_sampled_and_the_rest_at_the_
             {"type": "function_call_output", "call_id": call.call_id, "output": "3"}], stream=True)
         assert [e for e in answer][-1].response.output_text == "3."
     assert [m["role"] for m in engine.requests[-1]["messages"]][-3:] == ["user", "assistant", "user"]
+
+
+# ---- the engine's stream, read from HTTP ---------------------------------------------------------------
+
+@pytest.fixture
+def sse_server():
+    """A server that answers every POST with the given bytes as an event stream (status 200), and keeps
+    the bodies it got."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answer, bodies = [b""], []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(answer[0])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def serve(raw: bytes):
+        answer[0] = raw
+        return f"http://127.0.0.1:{server.server_address[1]}", bodies
+
+    yield serve
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_engine_stream_asks_for_ids_and_usage_and_raises_on_errors_and_cut_streams(sse_server, tmp_path):
+    from lightning_otel.serve.engine import EngineConfig, VLLMEngine
+    (tmp_path / "config.json").write_text("{}")
+    engine = VLLMEngine(EngineConfig(model_dir=tmp_path))
+    chunks = engine_chunks(["abc"])
+    sse = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    engine.url, bodies = sse_server(b": a comment\n\n" + sse + b"data: [DONE]\n\n")
+    assert list(engine.stream("/v1/chat/completions", {"messages": HI, "stream": False})) == chunks
+    assert {k: bodies[0][k] for k in ("stream", "stream_options", "return_token_ids", "logprobs", "model")} == \
+        {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, "logprobs": True,
+         "model": "policy"}
+    error = {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}}
+    for raw, status, needle in ((sse[:40] + b"\n\n", 502, "not JSON"), (sse, 502, "before its [DONE]"),
+                                (b"data: " + json.dumps(error).encode() + b"\n\n", 500, "boom")):
+        engine.url, _ = sse_server(raw)
+        with pytest.raises(EngineError, match=needle.replace("[", r"\[")) as caught:
+            list(engine.stream("/v1/chat/completions", {"messages": HI}))
+        assert caught.value.status == status
