@@ -67,23 +67,30 @@ def latency(url: str, n: int, direct: bool) -> float:
     return statistics.median(times) * 1000
 
 
-def stream_times(url: str, n: int, direct: bool, tokens: int) -> tuple[float, float]:
-    """Median ms to the first chunk with text and to the end of the stream, over n sequential requests."""
-    first, whole = [], []
+def stream_request(url: str, i: int, direct: bool, tokens: int) -> tuple[float, float]:
+    """ms to the first chunk with text and to the end of the stream, for one streamed request."""
+    payload = {**body(i, direct), "stream": True, "max_tokens": tokens, "ignore_eos": True}
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started, seen = time.perf_counter(), None
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            if seen is None and line.startswith(b"data: {"):
+                choices = json.loads(line[len(b"data: "):]).get("choices") or [{}]
+                if (choices[0].get("delta") or {}).get("content"):
+                    seen = time.perf_counter()
+    return (seen - started) * 1000, (time.perf_counter() - started) * 1000
+
+
+def stream_times(urls: dict[str, str], n: int, tokens: int) -> dict[str, tuple[float, float]]:
+    """Per path, the median ms to the first text chunk and to the end, over n requests sent in turn to each
+    path (so both see the same machine)."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in urls}
     for i in range(n):
-        payload = {**body(i, direct), "stream": True, "max_tokens": tokens, "ignore_eos": True}
-        request = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                         headers={"Content-Type": "application/json"})
-        started, seen = time.perf_counter(), None
-        with urllib.request.urlopen(request, timeout=300) as response:
-            for line in response:
-                if seen is None and line.startswith(b"data: {"):
-                    choices = json.loads(line[len(b"data: "):]).get("choices") or [{}]
-                    if (choices[0].get("delta") or {}).get("content"):
-                        seen = time.perf_counter()
-        first.append((seen - started) * 1000)
-        whole.append((time.perf_counter() - started) * 1000)
-    return statistics.median(first), statistics.median(whole)
+        for name, url in urls.items():
+            times[name].append(stream_request(url, i, name == "direct", tokens))
+    return {name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+            for name, ts in times.items()}
 
 
 def main() -> None:
@@ -123,8 +130,8 @@ def main() -> None:
             gateway._record({}, "ro-bench", "gpt-4o", "id", 0, list(range(200)), list(range(64)),  # noqa: SLF001
                             [-0.5] * 64, 0, 1)
         record_us = (time.perf_counter() - started) / n * 1e6
-        streamed = {name: stream_times(url, 16, name == "direct", args.stream_tokens)
-                    for name, url in (("direct", direct_url), ("gateway", gateway_url))} if args.stream else {}
+        streamed = stream_times({"direct": direct_url, "gateway": gateway_url}, 16, args.stream_tokens) \
+            if args.stream else {}
     finally:
         gateway.close()
         collector.close()

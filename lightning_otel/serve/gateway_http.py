@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 from lightning_otel.httpserver import KeepAliveHandler, LocalServer, bearer_token
 from lightning_otel.serve.engine import EngineError
-from lightning_otel.serve.streaming import AnswerStream
 from lightning_otel.serve.request_checks import BadRequest, check_rollout_id, parse_body
+from lightning_otel.serve.responses import ResponseStream
+from lightning_otel.serve.streaming import AnswerStream
 
 if TYPE_CHECKING:
     from lightning_otel.serve.gateway import Gateway
@@ -86,7 +87,7 @@ class GatewayHandler(KeepAliveHandler):
             with contextlib.suppress(OSError):  # reset: the kernel must not keep the unread bytes queued
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-    def _stream(self, stream: AnswerStream, events: Iterable[bytes | None]) -> None:
+    def _stream(self, stream: AnswerStream | ResponseStream, events: Iterable[bytes | None]) -> None:
         """Send a stream's events as they come; however it ends (whole, the client gone or too slow, a failure
         after the first byte, which can no longer be an error status), the stream is closed: a generation still
         running is dropped, and what was generated is recorded."""

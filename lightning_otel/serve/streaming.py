@@ -138,6 +138,9 @@ class ChatStream:
             error = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {"message": str(exc)}
             yield [{"error": {**error, "code": exc.status}}]
             return
+        except Exception:  # a failure of ours: the record still says what the engine made
+            self._finish(FAILED)
+            raise
         yield self._finish(None)
 
     def close(self) -> None:
