@@ -4,9 +4,11 @@
   gateway   the same requests through the gateway, which also records a lightning.generate span per choice
 
 Reports sequential latency per call and throughput with K concurrent clients, plus the cost of the token
-record itself (building and ending the span with its id arrays), measured in-process.
+record itself (building and ending the span with its id arrays), measured in-process. With --stream, also
+streamed requests (sequential, answers of --stream-tokens tokens): the time to the first text chunk and to
+the end of the stream, directly and through the gateway (which streams as vLLM samples).
 
-    .venv/bin/python benchmarks/gateway_overhead.py --requests 64 --concurrency 8
+    .venv/bin/python benchmarks/gateway_overhead.py --requests 64 --concurrency 8 [--stream]
 """
 from __future__ import annotations
 
@@ -65,11 +67,39 @@ def latency(url: str, n: int, direct: bool) -> float:
     return statistics.median(times) * 1000
 
 
+def stream_request(url: str, i: int, direct: bool, tokens: int) -> tuple[float, float]:
+    """ms to the first chunk with text and to the end of the stream, for one streamed request."""
+    payload = {**body(i, direct), "stream": True, "max_tokens": tokens, "ignore_eos": True}
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started, seen = time.perf_counter(), None
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            if seen is None and line.startswith(b"data: {"):
+                choices = json.loads(line[len(b"data: "):]).get("choices") or [{}]
+                if (choices[0].get("delta") or {}).get("content"):
+                    seen = time.perf_counter()
+    return (seen - started) * 1000, (time.perf_counter() - started) * 1000
+
+
+def stream_times(urls: dict[str, str], n: int, tokens: int) -> dict[str, tuple[float, float]]:
+    """Per path, the median ms to the first text chunk and to the end, over n requests sent in turn to each
+    path (so both see the same machine)."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in urls}
+    for i in range(n):
+        for name, url in urls.items():
+            times[name].append(stream_request(url, i, name == "direct", tokens))
+    return {name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+            for name, ts in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stream", action="store_true", help="also time streamed requests (first chunk, whole)")
+    parser.add_argument("--stream-tokens", type=int, default=64)
     args = parser.parse_args()
 
     from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
@@ -100,19 +130,27 @@ def main() -> None:
             gateway._record({}, "ro-bench", "gpt-4o", "id", 0, list(range(200)), list(range(64)),  # noqa: SLF001
                             [-0.5] * 64, 0, 1)
         record_us = (time.perf_counter() - started) / n * 1e6
+        streamed = stream_times({"direct": direct_url, "gateway": gateway_url}, 16, args.stream_tokens) \
+            if args.stream else {}
     finally:
         gateway.close()
         collector.close()
         engine.stop()
     lat = {k: statistics.median(v["lat"]) for k, v in rows.items()}
     tput = {k: statistics.median(v["tput"]) for k, v in rows.items()}
-    print(json.dumps({"latency_ms": lat, "requests_per_s": tput, "record_us": record_us}))
+    print(json.dumps({"latency_ms": lat, "requests_per_s": tput, "record_us": record_us,
+                      "stream_first_and_whole_ms": streamed}))
     print("\n| path | median latency, sequential (ms) | requests/s with "
           f"{args.concurrency} clients | ratio to direct |")
     print("| --- | --- | --- | --- |")
     for name in ("direct", "gateway"):
         print(f"| {name} | {lat[name]:.1f} | {tput[name]:.1f} | {tput[name] / tput['direct']:.3f} |")
     print(f"\ntoken record (span with id arrays): {record_us:.0f} µs per call")
+    if streamed:
+        print(f"\n| streamed, {args.stream_tokens} tokens | median first text chunk (ms) | median whole stream (ms) |")
+        print("| --- | --- | --- |")
+        for name, (first, whole) in streamed.items():
+            print(f"| {name} | {first:.0f} | {whole:.0f} |")
 
 
 if __name__ == "__main__":

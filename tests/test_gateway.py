@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -142,6 +143,31 @@ def test_n_choices_and_legacy_completions(gateway, db_path, tokenizer):
     assert_text_of(tokenizer, records[-1]["completion_ids"], text)
 
 
+def test_a_streamed_answer_arrives_as_it_is_sampled_and_records_what_a_whole_one_does(gateway, db_path):
+    """Same seed, streamed and not: the same completion ids recorded (sampling is seeded per request), and the
+    streamed client had its first text well before the engine's last token (24 tokens take about a second
+    here; the first comes after the prompt's prefill)."""
+    openai = pytest.importorskip("openai")
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Tell me about cats."}], "max_tokens": 24,
+            "temperature": 1.0, "seed": 7, "extra_body": {"ignore_eos": True}}
+    with openai.OpenAI(base_url=gateway.base_url("ro-whole"), api_key="k") as whole_client:
+        whole = whole_client.chat.completions.create(**body).choices[0].message.content
+    first_ns, parts = None, []
+    with openai.OpenAI(base_url=gateway.base_url("ro-streamed"), api_key="k") as streamed_client:
+        for chunk in streamed_client.chat.completions.create(**body, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first_ns = first_ns or time.time_ns()
+                parts.append(chunk.choices[0].delta.content)
+    gateway.flush()
+    rows = {r["rollout_id"]: r for r in client.query(
+        "SELECT rollout_id, completion_ids, completion_logprobs, end_ns FROM generations", db_path).to_dicts()}
+    assert len(rows["ro-streamed"]["completion_ids"]) == 24 and len(parts) > 10
+    assert rows["ro-streamed"]["completion_ids"] == rows["ro-whole"]["completion_ids"] and "".join(parts) == whole
+    assert rows["ro-streamed"]["completion_logprobs"] == pytest.approx(rows["ro-whole"]["completion_logprobs"],
+                                                                       abs=1e-3)
+    assert first_ns < rows["ro-streamed"]["end_ns"] - 100_000_000  # the first text 0.1 s before the last token
+
+
 MAKE_ADAPTER = r"""
 import json, sys, torch
 from pathlib import Path
@@ -266,7 +292,8 @@ def test_recorded_logprobs_are_those_of_the_tempered_distribution_the_learner_sc
 TOOL = {"type": "function", "function": {"name": "execute_sql", "description": "Run one SQLite query.",
                                          "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
                                                         "required": ["query"]}}}
-ASK = [{"role": "system", "content": "You answer with SQL."}, {"role": "user", "content": "How many singers are there?"}]
+ASK = [{"role": "system", "content": "You answer with SQL."},
+       {"role": "user", "content": "How many singers are there?"}]
 
 
 @pytest.mark.parametrize("choice,needle", [

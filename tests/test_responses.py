@@ -16,6 +16,7 @@ from conftest import post
 from lightning_otel.serve import responses
 from lightning_otel.serve.gateway import GENERATE_SPAN, Gateway, GatewayConfig
 from lightning_otel.serve.request_checks import BadRequest
+from tests.helpers.streams import ChunkList, engine_chunks
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 4 + 7"}}\n</tool_call>'
 TOOL = {"type": "function", "name": "calculate", "description": "Evaluate arithmetic.",
@@ -24,11 +25,15 @@ TOOL = {"type": "function", "name": "calculate", "description": "Evaluate arithm
 
 class ScriptedEngine:
     """Answers each generation with the next of `texts` (the part after a forced prefix, when the gateway
-    opened the answer), in pieces of three characters; keeps the requests it got."""
+    opened the answer), in pieces of three characters, whole or streamed; keeps the requests it got."""
     name, policy_version, model_name = "stand-in", 0, "policy"
 
     def __init__(self, texts: list[str], finish: str = "stop"):
         self.texts, self.finish, self.requests = list(texts), finish, []
+
+    def stream(self, path: str, body: dict, timeout: float = 600) -> ChunkList:
+        self.requests.append(body)
+        return ChunkList(engine_chunks([self.texts.pop(0)] * body.get("n", 1), finish=self.finish))
 
     def generate(self, path: str, body: dict, timeout: float = 600) -> dict:
         self.requests.append(body)
@@ -257,9 +262,11 @@ def test_the_stream_has_openai_s_events_in_order(serve):
     assert status == 200
     events = [json.loads(block.split("data: ", 1)[1]) for block in raw.decode().strip().split("\n\n")]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == "Sure." and len(deltas) == 2  # as the engine sampled it: "Sur", "e."
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
-        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_item.added", "response.content_part.added", *["response.output_text.delta"] * 2,
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]

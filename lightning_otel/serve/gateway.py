@@ -8,7 +8,10 @@ policy, so scripts that hard-code `gpt-4o` run unchanged. While the temperature 
 parameters that sample from another distribution than softmax(logits / T) (penalties, logit_bias, guided
 decoding, ...: request_checks.OFF_POLICY_NEUTRAL) are stripped and listed in the record, or refused
 (`off_policy_params`).
-Streaming is served from the finished generation, one SSE chunk per token (tool calls in one chunk).
+Streaming (`stream: true`, chat and Responses) is real: chunks go out as the engine samples them, text that may
+begin a tool call is held back until it is parsed, and the exact token ids and logprobs are recorded whole when
+the stream ends (streaming.py; a client that leaves mid-stream stops the generation, and what was generated is
+recorded with finish reason `client_disconnected`).
 
 Tools (chat_tools.py): the gateway parses calls out of the generated text in the model's call syntax (Hermes,
 Llama 3.x JSON or Mistral's: toolcalls; named, or detected from the chat template) into OpenAI `tool_calls`
@@ -54,12 +57,14 @@ from lightning_otel.serve.gateway_http import GatewayHandler, GatewayServer
 from lightning_otel.serve import responses
 from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_completion,
                                                  off_policy_params)
+from lightning_otel.serve.streaming import AnswerStream, ChatStream, FinishedStream
 from lightning_otel.serve.toolcalls import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
 GENERATE_SPAN = "lightning.generate"
 STRIPPED_ATTRIBUTE = "lightning.request.stripped"
 FORCED_PREFIX_ATTRIBUTE = "lightning.prompt.forced_prefix"
+FINISH_ATTRIBUTE = "gen_ai.response.finish_reasons"
 
 
 @dataclass
@@ -122,6 +127,20 @@ class GatewayConfig:
             raise UserError("the API key is empty: give one, or none for a server on loopback only")
         if not self.insecure_no_auth:
             check_exposure(self.host, self.api_key is not None, "give an API key (--api-key)")
+
+
+@dataclass
+class ChatCall:
+    """A chat request checked, counted and made into the engine's request."""
+    body: dict
+    headers: dict[str, str]
+    rollout_id: str | None
+    response_id: str | None  # a Responses call's id (the record's), else the engine's
+    requested_model: str
+    plan: ToolPlan
+    upstream: dict
+    scripted: str | None
+    stripped: list[str]
 
 
 class Gateway:
@@ -221,21 +240,53 @@ class Gateway:
 
     # ---- chat completions ------------------------------------------------------------------------------
 
-    def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None, response_id: str | None = None) -> dict:
+    def _chat_call(self, body: dict, headers: dict[str, str], rollout_id: str | None,
+                   response_id: str | None) -> ChatCall:
         check_chat(body, self.config.max_n)
         stripped = self._off_policy(body, rollout_id)  # before counting: a refused call is not one
         scripted = self._count_call(rollout_id)
-        requested_model = str(body.get("model") or self.engine.model_name)
         plan = plan_tools(body)
         upstream = chat_upstream(body, plan, self.format, bool(self.config.native_tools), self.config.chat_template)
         if upstream.get("max_tokens") is None and upstream.get("max_completion_tokens") is None:
             upstream["max_tokens"] = self.config.default_max_tokens
         self._apply_overrides(upstream, scripted, stripped)
+        return ChatCall(body, headers, rollout_id, response_id, str(body.get("model") or self.engine.model_name),
+                        plan, upstream, scripted, stripped)
+
+    def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None, response_id: str | None = None) -> dict:
+        """A chat completion, whole (`response_id`: a Responses call's id, to record it under)."""
+        return self._whole_chat(self._chat_call(body, headers, rollout_id, response_id))
+
+    def chat_stream(self, body: dict, headers: dict[str, str], rollout_id: str | None,
+                    response_id: str | None = None) -> AnswerStream:
+        """A chat completion as stream chunks, sampled as they go out (streaming.py). A request the gateway or
+        the engine refuses raises here, before any chunk. A forced call shows nothing until it is parsed and a
+        scripted answer is not sampled: both are made whole and replayed as chunks."""
+        call = self._chat_call(body, headers, rollout_id, response_id)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if call.plan.must_call or call.scripted is not None:
+            return FinishedStream(self._whole_chat(call), include_usage)
         started = time.time_ns()
-        runs = [(opening, self._generate(request)) for opening, request in self._requests(upstream, plan, scripted)]
+        chunks = self._generate(call.upstream, stream=True)
+
+        def record(index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started_ns: int,
+                   ended_ns: int, finish: str | None) -> None:
+            self._record(headers, rollout_id, call.requested_model, stream.id, index, prompt_ids, completion_ids,
+                         logprobs, started_ns, ended_ns, stripped=call.stripped, finish_reason=finish)
+
+        stream = ChatStream(chunks, record, self.format, call.plan.offered, call.requested_model, response_id,
+                            bool(body.get("logprobs")), include_usage, started)
+        return stream
+
+    def _whole_chat(self, call: ChatCall) -> dict:
+        body, headers, rollout_id, scripted = call.body, call.headers, call.rollout_id, call.scripted
+        requested_model, plan, stripped = call.requested_model, call.plan, call.stripped
+        started = time.time_ns()
+        requests = self._requests(call.upstream, plan, scripted)
+        runs = [(opening, self._generate(request)) for opening, request in requests]
         ended = time.time_ns()
         # A Responses call is recorded under its own id.
-        response_id = response_id or runs[0][1].get("id") or f"chatcmpl-{uuid.uuid4().hex}"
+        response_id = call.response_id or runs[0][1].get("id") or f"chatcmpl-{uuid.uuid4().hex}"
         choices, pieces, usage = [], [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for opening, result in runs:
             prompt_ids = result.get("prompt_token_ids") or []
@@ -259,7 +310,7 @@ class Gateway:
                 choices.append(out)
                 self._record(headers, rollout_id, requested_model, response_id, out["index"], prompt_ids,
                              choice.get("token_ids") or [], token_logprobs, started, ended, scripted, stripped,
-                             opening)
+                             opening, choice.get("finish_reason"))
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": requested_model,
                 "choices": choices, "usage": usage, "_token_pieces": pieces}
 
@@ -286,10 +337,13 @@ class Gateway:
                                               "type": "engine_error"}})
         return names
 
-    def _generate(self, request: dict) -> dict:
-        """A chat generation; a request the engine refuses because the chat template cannot render it is
-        answered with an error that says so (the engine's own message gives only the template's reason)."""
+    def _generate(self, request: dict, stream: bool = False) -> Any:
+        """A chat generation (whole, or the engine's open stream); a request the engine refuses because the chat
+        template cannot render it is answered with an error that says so (the engine's own message gives only
+        the template's reason)."""
         try:
+            if stream:
+                return self.engine.stream("/v1/chat/completions", request)
             return self.engine.generate("/v1/chat/completions", request)
         except EngineError as exc:
             if exc.status != 400:
@@ -318,6 +372,11 @@ class Gateway:
         return responses.answer(body, self.responses,
                                 lambda chat_body, response_id: self.chat(chat_body, headers, rollout_id, response_id))
 
+    def respond_stream(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> responses.ResponseStream:
+        """POST /v1/responses with `stream: true`: its events over chat_stream(), as the text is sampled."""
+        return responses.stream(body, self.responses, lambda chat_body, response_id: self.chat_stream(
+            chat_body, headers, rollout_id, response_id))
+
     # ---- legacy completions ----------------------------------------------------------------------------
 
     def complete(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
@@ -341,13 +400,14 @@ class Gateway:
                             "finish_reason": choice.get("finish_reason"), "logprobs": None})
             self._record(headers, rollout_id, requested_model, result.get("id"), index,
                          choice.get("prompt_token_ids") or [], choice.get("token_ids") or [], logprobs, started, ended,
-                         scripted, stripped)
+                         scripted, stripped, finish_reason=choice.get("finish_reason"))
         return {"id": result.get("id"), "object": "text_completion", "created": int(time.time()),
                 "model": requested_model, "choices": choices, "usage": _usage(result)}
 
     def _record(self, headers: dict[str, str], rollout_id: str | None, requested_model: str, response_id: Any,
                 index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started: int,
-                ended: int, scripted: str | None = None, stripped: list[str] = (), forced_prefix: str = "") -> None:
+                ended: int, scripted: str | None = None, stripped: list[str] = (), forced_prefix: str = "",
+                finish_reason: str | None = None) -> None:
         attributes = {
             "lightning.policy.version": self.engine.policy_version, "lightning.engine": self.engine.name,
             "gen_ai.request.model": requested_model, "lightning.choice.index": index,
@@ -364,6 +424,8 @@ class Gateway:
             attributes[STRIPPED_ATTRIBUTE] = list(stripped)
         if forced_prefix:  # the end of the prompt ids: the answer's opening the gateway wrote, not the policy
             attributes[FORCED_PREFIX_ATTRIBUTE] = forced_prefix
+        if finish_reason:  # the engine's (stop, length), or why a stream was cut: client_disconnected, error
+            attributes[FINISH_ATTRIBUTE] = [finish_reason]
         span = self.tracer.start_span(GENERATE_SPAN, context=extract(headers), kind=SpanKind.SERVER,
                                       start_time=started, attributes=attributes)
         span.end(end_time=ended)

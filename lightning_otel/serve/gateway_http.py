@@ -1,6 +1,6 @@
 """The rollout gateway's HTTP side: routes, the API key, errors in OpenAI's shape, answers that a client must
-take in time, and the chat route's SSE stream (made from the finished answer). What a request does is the
-Gateway's (gateway.py)."""
+take in time, and streams written out event by event as the gateway's streams yield them. What a request does
+is the Gateway's (gateway.py); how a stream is sampled and recorded is streaming.py's."""
 from __future__ import annotations
 
 import contextlib
@@ -9,12 +9,13 @@ import json
 import logging
 import socket
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from lightning_otel.httpserver import KeepAliveHandler, LocalServer, bearer_token
-from lightning_otel.serve import responses
 from lightning_otel.serve.engine import EngineError
 from lightning_otel.serve.request_checks import BadRequest, check_rollout_id, parse_body
+from lightning_otel.serve.responses import ResponseStream
+from lightning_otel.serve.streaming import AnswerStream
 
 if TYPE_CHECKING:
     from lightning_otel.serve.gateway import Gateway
@@ -22,35 +23,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def chat_stream_events(response: dict, include_usage: bool) -> list[bytes]:
-    """SSE chunks equivalent to the finished response: role, content token by token, tool calls, finish."""
-    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
-            "model": response["model"]}
-    events = []
-
-    def chunk(choices: list[dict], **extra) -> None:
-        events.append(b"data: " + json.dumps({**base, "choices": choices, **extra}).encode() + b"\n\n")
-
-    for choice, pieces in zip(response["choices"], response["_token_pieces"]):
-        index, message = choice["index"], choice["message"]
-        chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        content = message.get("content") or ""
-        if message.get("tool_calls"):
-            if content:
-                chunk([{"index": index, "delta": {"content": content}, "finish_reason": None}])
-            calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
-        else:
-            # Token pieces rebuild the content exactly when the engine's tokens decode one by one.
-            parts = pieces if "".join(pieces) == content else [content]
-            for part in parts:
-                if part:
-                    chunk([{"index": index, "delta": {"content": part}, "finish_reason": None}])
-        chunk([{"index": index, "delta": {}, "finish_reason": choice["finish_reason"]}])
-    if include_usage:
-        chunk([], usage=response["usage"])
-    events.append(b"data: [DONE]\n\n")
-    return events
+def chat_sse(stream: AnswerStream) -> Iterator[bytes | None]:
+    """A chat stream as server-sent events, `[DONE]` last; None where the stream had nothing for the client."""
+    for chunks in stream:
+        if not chunks:
+            yield None
+        for chunk in chunks:
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 class GatewayServer(LocalServer):
@@ -81,8 +61,9 @@ class GatewayHandler(KeepAliveHandler):
     def answer_timeout_s(self) -> float:
         return self.server.gateway.config.send_timeout_s
 
-    def _send(self, status: int, content_type: str, chunks: list[bytes], length: int | None = None) -> None:
-        """Answer with `chunks`: a body of `length` bytes, or (None) a stream that ends with the connection.
+    def _send(self, status: int, content_type: str, chunks: Iterable[bytes | None], length: int | None = None) -> None:
+        """Answer with `chunks`: a body of `length` bytes, or (None) a stream that ends with the connection,
+        each chunk written as it comes (None: nothing to write yet, but a client that has left ends the stream).
         A client that stops reading for send_timeout_s loses the connection; its thread is freed."""
         try:
             self.send_response(status)
@@ -95,13 +76,28 @@ class GatewayHandler(KeepAliveHandler):
                 self.send_header("Content-Length", str(length))
             self.end_headers()
             for chunk in chunks:
-                self.wfile.write(chunk)
+                if chunk is not None:
+                    self.wfile.write(chunk)
+                elif self.peer_closed():
+                    raise ConnectionResetError("the client closed the connection")
         except OSError as exc:  # TimeoutError included
             log.info("%s: dropping the connection, the answer could not be sent: %s", self.address_string(),
                      exc or type(exc).__name__)
             self.close_connection = True
             with contextlib.suppress(OSError):  # reset: the kernel must not keep the unread bytes queued
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def _stream(self, stream: AnswerStream | ResponseStream, events: Iterable[bytes | None]) -> None:
+        """Send a stream's events as they come; however it ends (whole, the client gone or too slow, a failure
+        after the first byte, which can no longer be an error status), the stream is closed: a generation still
+        running is dropped, and what was generated is recorded."""
+        try:
+            self._send(200, "text/event-stream", events)
+        except Exception:  # noqa: BLE001 - the answer has begun: end it, and keep the gateway up
+            log.exception("gateway error while streaming %s", self.path[:200])
+            self.close_connection = True
+        finally:
+            stream.close()
 
     def _json(self, status: int, payload: dict) -> None:
         body = json.dumps(payload).encode()
@@ -155,19 +151,19 @@ class GatewayHandler(KeepAliveHandler):
         try:
             rollout_id, path = self._route()
             body = parse_body(raw)
+            streamed = isinstance(body, dict) and body.get("stream") is True  # other values: the checks refuse them
             if path in ("/v1/chat/completions", "/chat/completions"):
+                if streamed:
+                    stream = gateway.chat_stream(body, headers, rollout_id)
+                    return self._stream(stream, chat_sse(stream))
                 response = gateway.chat(body, headers, rollout_id)
-                if body.get("stream"):
-                    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                    return self._send(200, "text/event-stream", chat_stream_events(response, include_usage))
                 response.pop("_token_pieces", None)
                 return self._json(200, response)
             if path in ("/v1/responses", "/responses"):
-                response = gateway.respond(body, headers, rollout_id)
-                if body.get("stream"):
-                    return self._send(200, "text/event-stream", responses.stream_events(response))
-                response.pop("_token_pieces", None)
-                return self._json(200, response)
+                if streamed:
+                    answer = gateway.respond_stream(body, headers, rollout_id)
+                    return self._stream(answer, answer)
+                return self._json(200, gateway.respond(body, headers, rollout_id))
             if path in ("/v1/completions", "/completions"):
                 return self._json(200, gateway.complete(body, headers, rollout_id))
             return self._error(404, f"no endpoint POST {path}", "not_found")

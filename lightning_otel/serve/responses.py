@@ -6,8 +6,10 @@ messages, flat function tools `{"type": "function", "name", "parameters"}` chat 
 max_tokens. The gateway's chat path then samples and records it exactly as a chat call (token ids, logprobs,
 policy version, the traceparent join, forced tool choices, training overrides), under the response's own id
 ("resp_..."), which is the id the client's LLM spans carry. Its answer becomes a Response (`to_response`): a
-`message` item with one output_text part and a `function_call` item per tool call; a stream of the Responses
-SSE events (`stream_events`) is made from that finished answer, as the chat route streams.
+`message` item with one output_text part and a `function_call` item per tool call. Streamed (`ResponseStream`,
+over the gateway's chat stream), created and in_progress go out first, the message item opens with the first
+text and each `response.output_text.delta` follows the text as it is sampled, and the rest (the text's done
+events, the function calls, completed) goes out when the answer is whole.
 
 `previous_response_id` continues a stored conversation: each response's messages (less its instructions, which
 OpenAI does not carry over either) and answer are kept in a bounded in-memory store (`ResponseStore`, least
@@ -28,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Protocol
 
 from lightning_otel.serve.request_checks import OFF_POLICY_NEUTRAL, BadRequest, check_common
 
@@ -273,13 +275,18 @@ def chat_response_format(format_: Any) -> dict | None:
 def answer(body: Any, store: ResponseStore, chat: Callable[[dict, str], dict]) -> dict:
     """The Response to a Responses request; `chat(chat_body, response_id)` is the gateway's chat path (it
     records the call under response_id). The conversation is stored for previous_response_id unless `store`
-    is false. The result keeps `_token_pieces` for stream_events; drop it before sending JSON."""
+    is false."""
     check_responses(body)
     chat_body, history = to_chat(body, store)
     response_id = new_id("resp")
     created = int(time.time())
     completion = chat(chat_body, response_id)
-    response = to_response(body, completion, response_id, created)
+    remember(body, store, response_id, history, completion)
+    return to_response(body, completion, response_id, created)
+
+
+def remember(body: dict, store: ResponseStore, response_id: str, history: list[dict], completion: dict) -> None:
+    """Keep the conversation and its answer for previous_response_id, unless the request says store: false."""
     if body.get("store", True):
         message = completion["choices"][0]["message"]
         reply = {"role": "assistant", "content": message.get("content")}
@@ -287,7 +294,6 @@ def answer(body: Any, store: ResponseStore, chat: Callable[[dict, str], dict]) -
         if calls:
             reply["tool_calls"] = calls
         store.put(response_id, history + [reply])
-    return response
 
 
 def _kept_calls(body: dict, calls: list[dict]) -> list[dict]:
@@ -295,9 +301,9 @@ def _kept_calls(body: dict, calls: list[dict]) -> list[dict]:
     return calls[:limit] if limit else calls
 
 
-def to_response(body: dict, completion: dict, response_id: str, created: int) -> dict:
+def to_response(body: dict, completion: dict, response_id: str, created: int, message_id: str | None = None) -> dict:
     """A Response object (status completed, or incomplete when the token limit cut the answer) for the
-    gateway's chat completion of the translated request."""
+    gateway's chat completion of the translated request (`message_id`: its message item's, when streamed)."""
     choice = completion["choices"][0]
     message = choice["message"]
     incomplete = choice.get("finish_reason") == "length"
@@ -309,7 +315,7 @@ def to_response(body: dict, completion: dict, response_id: str, created: int) ->
         part = {"type": "output_text", "text": content, "annotations": []}
         if choice.get("logprobs") and not calls:
             part["logprobs"] = [_logprob(t) for t in choice["logprobs"].get("content") or []]
-        output.append({"type": "message", "id": new_id("msg"), "status": status, "role": "assistant",
+        output.append({"type": "message", "id": message_id or new_id("msg"), "status": status, "role": "assistant",
                        "content": [part]})
     for call in calls:
         output.append({"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
@@ -331,7 +337,6 @@ def to_response(body: dict, completion: dict, response_id: str, created: int) ->
                   "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                   "output_tokens_details": {"reasoning_tokens": 0}},
         "user": body.get("user"), "metadata": body.get("metadata") or {},
-        "_token_pieces": (completion.get("_token_pieces") or [[]])[0],
     }
 
 
@@ -343,43 +348,110 @@ def _logprob(token: dict) -> dict:
 
 # ---- streaming ----------------------------------------------------------------------------------------
 
-def stream_events(response: dict) -> list[bytes]:
-    """The Responses SSE events of a finished response, in OpenAI's order: created, in_progress, per output
-    item its added, deltas and done events, then completed (incomplete when the token limit cut it). Text
-    comes token by token when the engine's tokens rebuild it exactly."""
-    events: list[bytes] = []
-    pieces = response.get("_token_pieces") or []
-    final = {k: v for k, v in response.items() if k != "_token_pieces"}
+class ChatChunks(Protocol):
+    """The gateway's chat stream (streaming.AnswerStream): lists of chat chunks, then the whole `completion`."""
+    model: str
+    completion: dict | None
 
-    def emit(kind: str, **fields: Any) -> None:
-        data = {"type": kind, "sequence_number": len(events), **fields}
-        events.append(f"event: {kind}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n")
+    def __iter__(self) -> Iterator[list[dict]]: ...
+    def close(self) -> None: ...
 
-    started = {**final, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
-    emit("response.created", response=started)
-    emit("response.in_progress", response=started)
-    for index, item in enumerate(final["output"]):
-        where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
-            emit("response.output_item.added", output_index=index,
-                 item={**item, "status": "in_progress", "content": []})
-            part = item["content"][0]
-            emit("response.content_part.added", **where, content_index=0,
-                 part={"type": "output_text", "text": "", "annotations": []})
-            text = part["text"]
-            for delta in (pieces if "".join(pieces) == text else [text]):
-                if delta:
-                    emit("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[])
-            emit("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
-            emit("response.content_part.done", **where, content_index=0, part=part)
-        else:
-            emit("response.output_item.added", output_index=index,
-                 item={**item, "arguments": "", "status": "in_progress"})
-            emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
-            emit("response.function_call_arguments.done", **where, arguments=item["arguments"], name=item["name"])
-        emit("response.output_item.done", output_index=index, item=item)
-    emit("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
-    return events
+
+def stream(body: Any, store: ResponseStore, chat_stream: Callable[[dict, str], ChatChunks]) -> ResponseStream:
+    """The streamed Response to a Responses request; `chat_stream(chat_body, response_id)` opens the gateway's
+    chat stream (recorded under response_id). A refused request raises here, before any event."""
+    check_responses(body)
+    chat_body, history = to_chat(body, store)
+    response_id = new_id("resp")
+    return ResponseStream(body, store, history, response_id, chat_stream(chat_body, response_id))
+
+
+class ResponseStream:
+    """The Responses SSE events of one answer, in OpenAI's order, as its chat stream yields text: created and
+    in_progress, the message item's added events with the first text, a delta per piece of text, then at the
+    end the text's done events, a function_call item per call (added, arguments delta and done, done) and
+    completed (incomplete when the token limit cut the answer). None between events: nothing to send yet.
+    The conversation is stored (unless `store` is false) once the answer is whole."""
+
+    def __init__(self, body: dict, store: ResponseStore, history: list[dict], response_id: str, chat: ChatChunks):
+        self.body, self.store, self.history, self.id, self.chat = body, store, history, response_id, chat
+        self.created = int(time.time())
+        self.message_id = new_id("msg")
+        self._sequence = 0
+
+    def close(self) -> None:
+        self.chat.close()
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n"
+
+    def __iter__(self) -> Iterator[bytes | None]:
+        empty = {"id": "", "created": self.created, "model": self.chat.model,
+                 "choices": [{"message": {"content": ""}, "finish_reason": None}]}
+        started = {**to_response(self.body, empty, self.id, self.created), "status": "in_progress",
+                   "output": [], "usage": None, "incomplete_details": None}
+        yield self._event("response.created", response=started)
+        yield self._event("response.in_progress", response=started)
+        where = {"item_id": self.message_id, "output_index": 0}
+        text = ""
+        for chunks in self.chat:
+            out = []
+            for chunk in chunks:
+                if isinstance(chunk.get("error"), dict):
+                    yield from self._failed(started, chunk["error"])
+                    return
+                for choice in chunk.get("choices") or []:
+                    delta = (choice.get("delta") or {}).get("content")
+                    if not delta:
+                        continue
+                    if not text:
+                        out += self._message_opened()
+                    text += delta
+                    out.append(self._event("response.output_text.delta", **where, content_index=0, delta=delta,
+                                           logprobs=[]))
+            yield from out or [None]
+        final = to_response(self.body, self.chat.completion, self.id, self.created, self.message_id)
+        if text and not any(item["id"] == self.message_id for item in final["output"]):
+            final["output"].insert(0, {"type": "message", "id": self.message_id, "status": final["status"],
+                                       "role": "assistant",
+                                       "content": [{"type": "output_text", "text": text, "annotations": []}]})
+        remember(self.body, self.store, self.id, self.history, self.chat.completion)
+        yield from self._rest(final, opened=bool(text))
+
+    def _message_opened(self) -> list[bytes]:
+        item = {"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant",
+                "content": []}
+        return [self._event("response.output_item.added", output_index=0, item=item),
+                self._event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []})]
+
+    def _rest(self, final: dict, opened: bool) -> Iterator[bytes]:
+        for index, item in enumerate(final["output"]):
+            where = {"item_id": item["id"], "output_index": index}
+            if item["type"] == "message":
+                if not opened:
+                    yield from self._message_opened()
+                part = item["content"][0]
+                yield self._event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                  logprobs=[])
+                yield self._event("response.content_part.done", **where, content_index=0, part=part)
+            else:
+                yield self._event("response.output_item.added", output_index=index,
+                                  item={**item, "arguments": "", "status": "in_progress"})
+                yield self._event("response.function_call_arguments.delta", **where, delta=item["arguments"])
+                yield self._event("response.function_call_arguments.done", **where, arguments=item["arguments"],
+                                  name=item["name"])
+            yield self._event("response.output_item.done", output_index=index, item=item)
+        yield self._event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                          response=final)
+
+    def _failed(self, started: dict, error: dict) -> Iterator[bytes]:
+        message = str(error.get("message") or "the engine failed")
+        yield self._event("error", code=str(error.get("code") or "server_error"), message=message, param=None)
+        yield self._event("response.failed", response={**started, "status": "failed",
+                                                       "error": {"code": "server_error", "message": message}})
 
 
 def _is_int(value: Any) -> bool:
