@@ -11,7 +11,6 @@ import select
 import socket
 import threading
 import time
-import urllib.parse
 
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -20,6 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from lightning_otel.serve.engine import EngineError
 from lightning_otel.serve.gateway import FINISH_ATTRIBUTE, GENERATE_SPAN, Gateway, GatewayConfig
 from lightning_otel.serve.streaming import HeldText, held_back
+from test_slow_clients import connect
 from tests.helpers.streams import PROMPT_IDS, TOKEN_BASE, ChunkList, engine_chunks
 
 openai = pytest.importorskip("openai")
@@ -209,12 +209,7 @@ def test_an_engine_that_fails_mid_stream_gives_the_client_an_error_and_records_w
 # ---- clients that leave or stop reading -----------------------------------------------------------------
 
 def raw_stream(url: str, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
-    parts = urllib.parse.urlsplit(url)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if rcvbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.settimeout(BOUND_S)
-    sock.connect((parts.hostname, parts.port))
+    sock = connect(url, rcvbuf)
     raw = json.dumps(body).encode()
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
