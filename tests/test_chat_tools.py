@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES
 from lightning_otel.errors import UserError
 from lightning_otel.serve.chat_tools import (chat_upstream, name_choice, plan_tools, read_chat_template,
-                                             template_renders_tools, with_opening)
+                                             template_tools, with_opening)
 from lightning_otel.serve.gateway import GatewayConfig
 from lightning_otel.serve.request_checks import BadRequest, check_chat
 from lightning_otel.serve.toolcalls import HermesToolFormat
@@ -93,7 +93,7 @@ def test_the_chat_template_decides_native_tools(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
-    assert not template_renders_tools(model) and template_renders_tools(model, TEMPLATE)
+    assert not template_tools(model).native and template_tools(model, TEMPLATE).native
     assert read_chat_template(FIXTURES / "chatml_tools.jinja") == TEMPLATE
     with pytest.raises(UserError, match="cannot read"):
         read_chat_template(Path(tmp_path / "missing.jinja"))

@@ -150,11 +150,6 @@ def template_tools(model_dir: Path | None, chat_template: str | None = None,
     return TemplateTools(any(renders_tools(text) for text in texts), name)
 
 
-def template_renders_tools(model_dir: Path, chat_template: str | None = None) -> bool:
-    """Whether the template the engine renders with uses `tools`: the given one, else the model's own."""
-    return template_tools(model_dir, chat_template).native
-
-
 def read_chat_template(path: Path | str) -> str:
     """The text of a Jinja chat template file (a --chat-template option)."""
     path = Path(path).expanduser()
