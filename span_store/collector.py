@@ -41,12 +41,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import lightning_otel
 from lightning_otel.errors import UserError
-from lightning_otel.httpserver import KeepAliveHandler, LocalServer
+from lightning_otel.httpserver import KeepAliveHandler, LocalServer, bearer_token
 from lightning_otel.lifetime import lower_thread_priority
 from lightning_otel.span_store import discovery, otlp, store
 from lightning_otel.span_store.collector_config import CollectorConfig, private_config
-from lightning_otel.span_store.collector_http import (RequestError, bearer_token, decompress, grpc_code, media_type,
-                                                      roles_holding)
+from lightning_otel.span_store.collector_http import RequestError, decompress, grpc_code, media_type, roles_holding
 from lightning_otel.span_store.decoding import DecoderPool
 from lightning_otel.span_store.writer import BatchWriter, Busy
 
