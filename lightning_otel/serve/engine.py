@@ -405,21 +405,24 @@ class VLLMEngine:
 
     def generate(self, path: str, body: dict, timeout: float = 600) -> dict:
         """Run an OpenAI request on the current policy, asking for token ids and sampling logprobs."""
-        upstream = {**body, "model": self.model_name, "return_token_ids": True, "logprobs": True, "stream": False}
-        if path.endswith("/completions") and not path.endswith("/chat/completions"):
-            upstream["logprobs"] = 0
-        upstream.pop("stream_options", None)
-        return self._post(path, upstream, timeout)
+        return self._post(path, self._sampling_request(path, body, stream=False), timeout)
 
     def stream(self, path: str, body: dict, timeout: float = 600) -> EngineStream:
         """generate(), streamed: vLLM sends the prompt ids with each choice's first chunk, the token ids and
         sampling logprobs with every chunk (return_token_ids, logprobs), and the usage last (include_usage).
         `timeout` bounds each read, not the whole generation."""
-        upstream = {**body, "model": self.model_name, "return_token_ids": True, "logprobs": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
+        return EngineStream(self._open(path, self._sampling_request(path, body, stream=True), timeout))
+
+    def _sampling_request(self, path: str, body: dict, stream: bool) -> dict:
+        """`body` for the current policy, asking for token ids and sampling logprobs (a number on the legacy
+        completions route), and in a stream for the usage last."""
+        upstream = {**body, "model": self.model_name, "return_token_ids": True, "logprobs": True, "stream": stream}
         if path.endswith("/completions") and not path.endswith("/chat/completions"):
             upstream["logprobs"] = 0
-        return EngineStream(self._open(path, upstream, timeout))
+        upstream.pop("stream_options", None)
+        if stream:
+            upstream["stream_options"] = {"include_usage": True}
+        return upstream
 
     def tokenize_chat(self, body: dict, timeout: float = 60) -> dict:
         return self._post("/tokenize", {**body, "model": self.model_name}, timeout)
