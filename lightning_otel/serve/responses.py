@@ -30,9 +30,10 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 from lightning_otel.serve.request_checks import OFF_POLICY_NEUTRAL, BadRequest, check_common
+from lightning_otel.serve.streaming import AnswerStream
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -348,16 +349,7 @@ def _logprob(token: dict) -> dict:
 
 # ---- streaming ----------------------------------------------------------------------------------------
 
-class ChatChunks(Protocol):
-    """The gateway's chat stream (streaming.AnswerStream): lists of chat chunks, then the whole `completion`."""
-    model: str
-    completion: dict | None
-
-    def __iter__(self) -> Iterator[list[dict]]: ...
-    def close(self) -> None: ...
-
-
-def stream(body: Any, store: ResponseStore, chat_stream: Callable[[dict, str], ChatChunks]) -> ResponseStream:
+def stream(body: Any, store: ResponseStore, chat_stream: Callable[[dict, str], AnswerStream]) -> ResponseStream:
     """The streamed Response to a Responses request; `chat_stream(chat_body, response_id)` opens the gateway's
     chat stream (recorded under response_id). A refused request raises here, before any event."""
     check_responses(body)
@@ -373,7 +365,7 @@ class ResponseStream:
     completed (incomplete when the token limit cut the answer). None between events: nothing to send yet.
     The conversation is stored (unless `store` is false) once the answer is whole."""
 
-    def __init__(self, body: dict, store: ResponseStore, history: list[dict], response_id: str, chat: ChatChunks):
+    def __init__(self, body: dict, store: ResponseStore, history: list[dict], response_id: str, chat: AnswerStream):
         self.body, self.store, self.history, self.id, self.chat = body, store, history, response_id, chat
         self.created = int(time.time())
         self.message_id = new_id("msg")
