@@ -186,6 +186,9 @@ def test_commands_and_configs_refuse_a_bad_patch_file_before_anything_starts(tmp
         assert parser.parse_args([*command, "--prompt", str(good)]).prompt == good
     assert main(["rollout", "--tasks", str(tasks), "--agent", "a", "--prompt", str(bad)]) == 2
     assert "bad.json: patch 0 ('a'): missing version" in capsys.readouterr().err
+    assert main(["train", "--offline", "--db", str(tmp_path / "t.duckdb"), "--prompt", str(good),
+                 f"output_dir={tmp_path / 'run'}"]) == 2
+    assert "--offline runs none" in capsys.readouterr().err
 
 
 # ---- export-prompt ----------------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ def _train(args: argparse.Namespace) -> int:
 
         if args.db is None:
             raise UserError("--offline trains from a trace store: give --db traces.duckdb")
+        if config.prompt:
+            raise UserError("prompt patches are applied by the gateway to new rollouts, and --offline runs none: "
+                            "leave prompt out (the stored records name the patch each call ran with)")
         state = train_offline(config, args.db, args.where, args.objective, args.min_reward, StepProgress())
     else:
         from lightning_otel.train.trainer import train
