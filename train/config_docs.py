@@ -38,6 +38,9 @@ HELP: dict[str, str] = {
     "tool_format": "The call syntax the gateway parses, forces and renders tool calls in: `hermes`, `llama3_json`, "
                    "`mistral` or `mistral_v11` (empty: detected from the chat template, else `hermes`; "
                    "docs/rollouts.md, the gateway).",
+    "prompt": "A prompt patch file the gateway applies to every rollout's calls (empty: the agents' own prompts): "
+              "the targeted agents' system messages changed or demonstrations added, the patch's version in each "
+              "token record (docs/prompts.md).",
     "gpu_memory_utilization": "GPU vLLM only: its share of GPU memory (0: vLLM's default, 0.9, which leaves a "
                               "learner on the same GPU too little; e.g. 0.3 for a small model).",
     "sleep_mode": "GPU vLLM only: the engine frees its GPU memory while the learner trains.",

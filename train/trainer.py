@@ -154,7 +154,7 @@ class Trainer:
                                rollout_timeout_s=c.rollout_timeout_s, max_tokens=max_tokens,
                                temperature=temperature, work_dir=self.folder.path / "work", max_calls=max_calls,
                                answers=answers, chat_template=Path(c.chat_template) if c.chat_template else None,
-                               tool_format=c.tool_format or None)
+                               tool_format=c.tool_format or None, prompt=Path(c.prompt) if c.prompt else None)
         return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine,
                             worker=self._agent_worker())
 

@@ -20,6 +20,13 @@ def add_chat_template(parser: argparse.ArgumentParser, what: str) -> None:
                              "`tools`, like Qwen's, shows the model its tools natively; docs/rollouts.md)")
 
 
+def add_prompt(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--prompt", type=Path, metavar="FILE",
+                        help=f"a prompt patch file (JSON; docs/prompts.md) for {what}: the calls of the agents its "
+                             "patches target get their system message changed or demonstrations added, and their "
+                             "token records the patch's version and id")
+
+
 def add_tool_format(parser: argparse.ArgumentParser) -> None:
     from lightning_otel.serve.toolcalls import FORMATS
 

@@ -5,7 +5,7 @@ import argparse
 import os
 from pathlib import Path
 
-from lightning_otel.cli.options import add_chat_template, add_tool_format
+from lightning_otel.cli.options import add_chat_template, add_prompt, add_tool_format
 
 API_KEY_ENV = "LIGHTNING_OTEL_API_KEY"
 
@@ -30,7 +30,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"  OPENAI_BASE_URL={url} OPENAI_API_KEY={key} python your_agent.py", flush=True)
 
     serve_policy(args.model, port=args.port, db=args.db, ready=ready, chat_template=args.chat_template,
-                 host=args.host, api_key=api_key, insecure_no_auth=args.insecure_no_auth, tool_format=args.tool_format)
+                 host=args.host, api_key=api_key, insecure_no_auth=args.insecure_no_auth, tool_format=args.tool_format,
+                 prompt=args.prompt)
     return 0
 
 
@@ -56,4 +57,5 @@ def register(sub) -> None:
     p.add_argument("--db", type=Path, help="record the served calls in this trace store")
     add_chat_template(p, "the gateway renders prompts with")
     add_tool_format(p)
+    add_prompt(p, "the served traffic")
     p.set_defaults(func=cmd_serve)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_otel.cli.options import (add_chat_template, add_db, add_rollout_timeout, add_samples, add_task_pack,
-                                        add_tool_format)
+from lightning_otel.cli.options import (add_chat_template, add_db, add_prompt, add_rollout_timeout, add_samples,
+                                        add_task_pack, add_tool_format)
 from lightning_otel.cli.render import Progress
 
 
@@ -17,7 +17,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                            model_name=args.model_name, reward=args.reward, task_pack=args.task_pack,
                            data_dir=args.data_dir, rollout_timeout_s=args.rollout_timeout,
                            max_tokens=args.max_tokens, temperature=args.temperature,
-                           chat_template=args.chat_template, tool_format=args.tool_format)
+                           chat_template=args.chat_template, tool_format=args.tool_format, prompt=args.prompt)
     summary = run_rollouts(config, progress=Progress("rollouts").update)
     print(f"{len(summary.results)} rollouts: {summary.count('ok')} ok, {summary.count('failed')} failed, "
           f"{summary.count('timeout')} timed out, {summary.count('error')} could not start")
@@ -57,6 +57,7 @@ def register(sub) -> None:
                                                      "asks (default: each request's own)")
     add_chat_template(p, "the gateway renders --model's prompts with")
     add_tool_format(p)
+    add_prompt(p, "the gateway")
     add_task_pack(p, required=False)
     add_rollout_timeout(p)
     p.set_defaults(func=cmd_rollout)

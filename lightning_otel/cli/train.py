@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from lightning_otel.cli.options import DeprecatedAlias, add_chat_template, add_db, add_tool_format
+from lightning_otel.cli.options import DeprecatedAlias, add_chat_template, add_db, add_prompt, add_tool_format
 from lightning_otel.cli.render import StepProgress
 from lightning_otel.errors import UserError
 from lightning_otel.train.transitions.credit import ADVANTAGE_ALIASES, ADVANTAGES
@@ -76,7 +76,7 @@ def no_step_note(state, output_dir: str) -> str | None:
 def _train(args: argparse.Namespace) -> int:
     from lightning_otel.train.config import load_config, render_toml
 
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, prompt=str(args.prompt) if args.prompt else None)
     print(f"# resolved config (saved as {config.output_dir}/config.toml)\n{render_toml(config)}", end="")
     logging.getLogger("lightning_otel.train.metrics").setLevel(logging.INFO)
     if args.offline:
@@ -84,6 +84,9 @@ def _train(args: argparse.Namespace) -> int:
 
         if args.db is None:
             raise UserError("--offline trains from a trace store: give --db traces.duckdb")
+        if config.prompt:
+            raise UserError("prompt patches are applied by the gateway to new rollouts, and --offline runs none: "
+                            "leave prompt out (the stored records name the patch each call ran with)")
         state = train_offline(config, args.db, args.where, args.objective, args.min_reward, StepProgress())
     else:
         from lightning_otel.train.trainer import train
@@ -147,6 +150,7 @@ def register(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings over the config file, e.g. rounds=3")
     p.add_argument("--config", type=Path, help="TOML file with train settings (keys: see docs or README)")
     p.add_argument("--offline", action="store_true", help="train on traces already in --db, no new rollouts")
+    add_prompt(p, "the rounds' rollouts (config key `prompt`)")
     p.add_argument("--db", type=Path, help="with --offline: the trace store to train from")
     p.add_argument("--where", help="with --offline: SQL condition on the rollouts view, e.g. \"status = 'ok'\"")
     p.add_argument("--objective", choices=("grpo", "sft"), default="grpo",

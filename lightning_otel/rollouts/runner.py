@@ -57,6 +57,7 @@ from lightning_otel.rollouts.environment import agent_environment, capture_envir
 from lightning_otel.rollouts.packs import TaskPack, load_pack, pack_for_reward, pack_names
 from lightning_otel.rollouts.rewards import call_reward, resolve_reward
 from lightning_otel.serve.engine import PolicyEngine
+from lightning_otel.serve.prompts import PromptPatches, load_patches
 from lightning_otel.serve.toolcalls import tool_format as known_tool_format
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class RolloutConfig:
     answers: list[str] | None = None  # scripted answers, one template per model call (module docstring)
     chat_template: Path | None = None  # a Jinja chat template file the gateway renders prompts with
     tool_format: str | None = None  # the call syntax (serve.toolcalls.FORMATS); None: detected from the template
+    prompt: Path | None = None  # a prompt patch file the gateway applies (serve.prompts; docs/prompts.md)
 
     def __post_init__(self) -> None:
         self.tasks, self.db = Path(self.tasks), Path(self.db)
@@ -126,6 +128,13 @@ class RolloutConfig:
                                 "renders prompts its own way: leave it out, or serve the policy here")
             if not self.chat_template.is_file():
                 raise UserError(f"chat_template {self.chat_template}: no such file; give a Jinja chat template file")
+        self.prompts: PromptPatches | None = None
+        if self.prompt is not None:
+            self.prompt = Path(self.prompt)
+            if self.base_url is not None:
+                raise UserError("prompt patches are applied by the gateway that serves model; an outside base_url "
+                                "gets the agent's own prompts: leave prompt out, or serve the policy here")
+            self.prompts = load_patches(self.prompt)  # a bad file fails here, before anything starts
         if self.tool_format is not None:
             if self.base_url is not None:
                 raise UserError("tool_format is applied by the gateway that serves model; an outside base_url "
@@ -517,7 +526,7 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
                                             collector_token=collector_info.ingest_token, chat_template=template,
                                             native_tools=tools.native, tool_format=tools.format,
                                             max_tokens_cap=config.max_tokens, temperature=config.temperature,
-                                            max_calls_per_rollout=config.max_calls))
+                                            max_calls_per_rollout=config.max_calls, prompts=config.prompts))
     gateway.start()
     owned.callback(gateway.close)
     return gateway

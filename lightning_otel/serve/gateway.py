@@ -26,6 +26,11 @@ to their names picks one first), "none" shows no tools. The opening is prompt in
 The Responses API (/v1/responses) is translated to a chat call and back (responses.py), streamed or not: its
 record is a chat call's, under the response's own id ("resp_..."), which the client's LLM spans carry too.
 
+Prompt patches (`GatewayConfig.prompts`, prompts.py): a chat or Responses call whose system message a patch
+targets reaches the engine with the patch applied (system text replaced or extended, demonstrations inserted);
+its record carries `lightning.prompt.version` and `lightning.prompt.patch_id`, and its prompt ids are the
+patched prompt's. Legacy completions have no system message and are never patched.
+
 Scripted rollouts (`script()`): the calls of one rollout are answered, in order, with given texts instead of
 samples, so an agent can be walked along a labelled path (the SFT warm start's demonstrations). The engine
 still sees each prompt (generating one token), so the recorded prompt ids are exact; the record carries the
@@ -55,6 +60,7 @@ from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choic
 from lightning_otel.serve.engine import Engine, EngineError
 from lightning_otel.serve.gateway_http import GatewayHandler, GatewayServer
 from lightning_otel.serve import responses
+from lightning_otel.serve.prompts import PromptPatch, PromptPatches
 from lightning_otel.serve.request_checks import (OFF_POLICY_MODES, BadRequest, check_chat, check_completion,
                                                  off_policy_params)
 from lightning_otel.serve.streaming import AnswerStream, ChatStream, FinishedStream
@@ -108,6 +114,9 @@ class GatewayConfig:
     # insecure_no_auth is set).
     api_key: str | None = None
     insecure_no_auth: bool = False
+    # Prompt patches (prompts.py): chat and Responses calls whose system message a patch targets reach the engine
+    # patched, and their records carry the patch's version and id.
+    prompts: PromptPatches | None = None
 
     def __post_init__(self) -> None:
         if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template.strip()):
@@ -125,6 +134,8 @@ class GatewayConfig:
             raise UserError(f"stored_responses={self.stored_responses!r}: give a count of responses (0 keeps none)")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("the API key is empty: give one, or none for a server on loopback only")
+        if self.prompts is not None and not isinstance(self.prompts, PromptPatches):
+            raise UserError("prompts: give PromptPatches (lightning_otel.serve.prompts.load_patches(path)) or None")
         if not self.insecure_no_auth:
             check_exposure(self.host, self.api_key is not None, "give an API key (--api-key)")
 
@@ -141,6 +152,7 @@ class ChatCall:
     upstream: dict
     scripted: str | None
     stripped: list[str]
+    patch: PromptPatch | None = None
 
 
 class Gateway:
@@ -243,6 +255,9 @@ class Gateway:
     def _chat_call(self, body: dict, headers: dict[str, str], rollout_id: str | None,
                    response_id: str | None) -> ChatCall:
         check_chat(body, self.config.max_n)
+        # Both chat and Responses calls come through here: a patch changes what the engine gets, not what the
+        # client sent (a Responses conversation is stored unpatched).
+        body, patch = self.config.prompts.apply(body) if self.config.prompts is not None else (body, None)
         stripped = self._off_policy(body, rollout_id)  # before counting: a refused call is not one
         scripted = self._count_call(rollout_id)
         plan = plan_tools(body)
@@ -251,7 +266,7 @@ class Gateway:
             upstream["max_tokens"] = self.config.default_max_tokens
         self._apply_overrides(upstream, scripted, stripped)
         return ChatCall(body, headers, rollout_id, response_id, str(body.get("model") or self.engine.model_name),
-                        plan, upstream, scripted, stripped)
+                        plan, upstream, scripted, stripped, patch)
 
     def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None, response_id: str | None = None) -> dict:
         """A chat completion, whole (`response_id`: a Responses call's id, to record it under)."""
@@ -272,7 +287,8 @@ class Gateway:
         def record(index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started_ns: int,
                    ended_ns: int, finish: str | None) -> None:
             self._record(headers, rollout_id, call.requested_model, stream.id, index, prompt_ids, completion_ids,
-                         logprobs, started_ns, ended_ns, stripped=call.stripped, finish_reason=finish)
+                         logprobs, started_ns, ended_ns, stripped=call.stripped, finish_reason=finish,
+                         patch=call.patch)
 
         stream = ChatStream(chunks, record, self.format, call.plan.offered, call.requested_model, response_id,
                             bool(body.get("logprobs")), include_usage, started)
@@ -310,7 +326,7 @@ class Gateway:
                 choices.append(out)
                 self._record(headers, rollout_id, requested_model, response_id, out["index"], prompt_ids,
                              choice.get("token_ids") or [], token_logprobs, started, ended, scripted, stripped,
-                             opening, choice.get("finish_reason"))
+                             opening, choice.get("finish_reason"), call.patch)
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": requested_model,
                 "choices": choices, "usage": usage, "_token_pieces": pieces}
 
@@ -407,7 +423,7 @@ class Gateway:
     def _record(self, headers: dict[str, str], rollout_id: str | None, requested_model: str, response_id: Any,
                 index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started: int,
                 ended: int, scripted: str | None = None, stripped: list[str] = (), forced_prefix: str = "",
-                finish_reason: str | None = None) -> None:
+                finish_reason: str | None = None, patch: PromptPatch | None = None) -> None:
         attributes = {
             "lightning.policy.version": self.engine.policy_version, "lightning.engine": self.engine.name,
             "gen_ai.request.model": requested_model, "lightning.choice.index": index,
@@ -426,6 +442,8 @@ class Gateway:
             attributes[FORCED_PREFIX_ATTRIBUTE] = forced_prefix
         if finish_reason:  # the engine's (stop, length), or why a stream was cut: client_disconnected, error
             attributes[FINISH_ATTRIBUTE] = [finish_reason]
+        if patch is not None:  # the prompt ids are the patched prompt's; an unpatched call records nothing here
+            attributes.update(patch.record())
         span = self.tracer.start_span(GENERATE_SPAN, context=extract(headers), kind=SpanKind.SERVER,
                                       start_time=started, attributes=attributes)
         span.end(end_time=ended)

@@ -78,21 +78,26 @@ def engine_for_policy(policy: Policy, engine: PolicyEngine | None, owned: ExitSt
 def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: str | None = None,
                  ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
                  engine: PolicyEngine | None = None, chat_template: Path | None = None, host: str = "127.0.0.1",
-                 api_key: str | None = None, insecure_no_auth: bool = False, tool_format: str | None = None) -> None:
+                 api_key: str | None = None, insecure_no_auth: bool = False, tool_format: str | None = None,
+                 prompt: Path | None = None) -> None:
     """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on host:port. An engine
     already running on the policy's base model may be given instead of starting one. `chat_template`: a Jinja
     file the gateway renders prompts with instead of the model's own template. `tool_format`: the call syntax
     (toolcalls.FORMATS; None: detected from the template). `api_key`: the key requests must send; a host other
-    machines reach needs one (or `insecure_no_auth`), which is checked before anything starts."""
+    machines reach needs one (or `insecure_no_auth`), which is checked before anything starts. `prompt`: a prompt
+    patch file (prompts.py) applied to the calls of the agents it targets."""
     from lightning_otel.serve.chat_tools import read_chat_template, template_tools
     from lightning_otel.serve.gateway import Gateway, GatewayConfig
+    from lightning_otel.serve.prompts import load_patches
     from lightning_otel.span_store import discovery
     from lightning_otel.span_store.collector import Collector, private_config
 
     python = python or default_engine_python()
     template = read_chat_template(chat_template) if chat_template is not None else None
+    # checked before anything starts
     settings = GatewayConfig(host=host, port=port, api_key=api_key, insecure_no_auth=insecure_no_auth,
-                             chat_template=template, tool_format=tool_format)  # checked before anything starts
+                             chat_template=template, tool_format=tool_format,
+                             prompts=load_patches(prompt) if prompt is not None else None)
     policy: Policy = resolve_policy(spec, python)
     with ExitStack() as owned:
         collector_url = collector_token = None
