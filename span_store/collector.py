@@ -5,7 +5,8 @@ Endpoints                                                                       
   POST /v1/query              body: one read statement; answer: Arrow IPC stream              query
   POST /v1/prune              body: {"before_ns": int}; answer: JSON counts                    admin
   POST /v1/records            body: {"table": "tasks"|"rollout_runs"|"rewards", "rows": [...]} admin
-  GET  /health                JSON: pid, db, rows written, which roles need a token (never the tokens)
+  GET  /health                JSON: pid, db, rows written, which roles need a token (never the tokens),
+                              forwarding's counts (sent, retried, dropped) when --forward is set
 
 Each role has its own bearer token (`ingest_token`, `query_token`, `admin_token`; `token` is the one for every
 role not given its own) and the admin token grants every route. A role without a token is open. Agents are
@@ -18,6 +19,9 @@ Capacity is per role, so that no other role can starve ingest: `max_inflight_req
 `max_admin_requests` admin ones at a time; past a role's slots, 503 with Retry-After. A query runs at most
 `query_timeout_s` (less when its client hangs up first: it is then stopped), and each piece of its answer must be
 taken by the client within `query_send_timeout_s`.
+
+With `forward` (`--forward URL`), every committed body is also sent on to another OTLP/HTTP endpoint, in the
+background: forwarding never delays or fails ingest (forwarding.py).
 
 Run it with `lightning-otel collect --db traces.duckdb`. It is the only process that holds the file.
 """
@@ -47,6 +51,7 @@ from lightning_otel.span_store import discovery, otlp, store
 from lightning_otel.span_store.collector_config import CollectorConfig, private_config
 from lightning_otel.span_store.collector_http import RequestError, decompress, grpc_code, media_type, roles_holding
 from lightning_otel.span_store.decoding import DecoderPool
+from lightning_otel.span_store.forwarding import Forwarder
 from lightning_otel.span_store.writer import BatchWriter, Busy
 
 __all__ = ["Collector", "CollectorConfig", "RequestError", "private_config", "run_collector"]
@@ -56,6 +61,7 @@ log = logging.getLogger(__name__)
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 QUERY_NICENESS = 10  # queries' threads: nice 10 has about a tenth of the CPU share of nice 0 when cores are short
 SIGNALS = {"/v1/traces": "traces", "/v1/logs": "logs"}
+CONTENT_TYPES = {"protobuf": "application/x-protobuf", "json": "application/json"}
 
 
 class Collector:
@@ -88,6 +94,7 @@ class Collector:
         self.port = self.server.server_address[1]
         self.info = discovery.CollectorInfo(pid=os.getpid(), host=config.host, port=self.port, db=str(self.db),
                                             version=lightning_otel.__version__, tokens=config.role_tokens())
+        self.forwarder = Forwarder(config.forward) if config.forward is not None else None
         self._serving = threading.Event()
         self.busy_answers = 0
         self._closed = False
@@ -105,6 +112,8 @@ class Collector:
     def start(self) -> None:
         """Serve in a background thread (tests, and commands that host the collector in-process)."""
         self.writer.start()
+        if self.forwarder is not None:
+            self.forwarder.start()
         discovery.write_info(self.db, self.info)
         thread = threading.Thread(target=self.server.serve_forever, name="collector-http", daemon=True)
         thread.start()
@@ -134,6 +143,8 @@ class Collector:
         self.server.server_close()
         self.decoders.close()
         self.query_threads.shutdown(wait=False, cancel_futures=True)
+        if self.forwarder is not None:
+            self.forwarder.close()
         self.writer.stop()
         try:
             self.con.execute("CHECKPOINT")
@@ -226,6 +237,8 @@ class Collector:
                 raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE,
                                    f"the store could not commit this batch ({pending.error}); retry",
                                    retry_after=self.config.retry_after_s)
+            if self.forwarder is not None:  # committed: only what the store holds is sent on
+                self.forwarder.offer(signal_name, CONTENT_TYPES[encoding], body, decoded.table.num_rows)
         return decoded
 
     def prune(self, before_ns: int) -> dict[str, int]:
@@ -235,7 +248,8 @@ class Collector:
         return {"status": "ok", **asdict(self.info), "tokens": None,
                 "token_required": {role: role in self.info.tokens for role in discovery.ROLES},
                 "committed_rows": self.writer.committed_rows, "commits": self.writer.commits,
-                "busy_answers": self.busy_answers}
+                "busy_answers": self.busy_answers,
+                "forwarding": None if self.forwarder is None else self.forwarder.stats()}
 
 
 class _Server(LocalServer):

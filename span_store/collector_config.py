@@ -12,6 +12,7 @@ from typing import Any
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, check_exposure
 from lightning_otel.span_store import discovery, store
+from lightning_otel.span_store.forwarding import ForwardConfig
 
 
 @dataclass
@@ -54,6 +55,8 @@ class CollectorConfig:
     # A host other than loopback with a role that needs no token is refused unless this is set: anyone on the
     # network could then read every task's answers or write rewards.
     insecure_no_auth: bool = False
+    # Every committed OTLP body is also sent on to this OTLP/HTTP endpoint, in the background (forwarding.py).
+    forward: ForwardConfig | None = None
 
     def __post_init__(self) -> None:
         self.db = Path(self.db)

@@ -13,7 +13,14 @@ from lightning_otel.errors import UserError
 
 def cmd_collect(args: argparse.Namespace) -> int:
     from lightning_otel.span_store.collector import CollectorConfig, run_collector
+    from lightning_otel.span_store.forwarding import ForwardConfig, parse_headers
 
+    forward = None
+    if args.forward:
+        forward = ForwardConfig(args.forward, parse_headers(args.forward_header),
+                                max_queue_bytes=args.forward_queue_bytes, max_retry_s=args.forward_retry_s)
+    elif args.forward_header:
+        raise UserError("--forward-header is for --forward: give the endpoint to forward to as well")
     config = CollectorConfig(db=args.db, host=args.host, port=args.port, token=args.token,
                              ingest_token=args.ingest_token, query_token=args.query_token, admin_token=args.admin_token,
                              max_body_bytes=args.max_body_bytes, max_pending_rows=args.max_pending_rows,
@@ -24,6 +31,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
                              max_concurrent_queries=args.max_concurrent_queries,
                              max_queries_per_token=args.max_queries_per_token, query_timeout_s=args.query_timeout_s,
                              query_send_timeout_s=args.query_send_timeout_s, insecure_no_auth=args.insecure_no_auth,
+                             forward=forward,
                              **({} if args.decode_workers is None else {"decode_workers": args.decode_workers}),
                              **({} if args.threads is None else {"threads": args.threads}))
     run_collector(config)
@@ -155,6 +163,17 @@ def register(sub) -> None:
                    help="DuckDB threads for inserts and queries (default: cores - 1, at least 1)")
     p.add_argument("--decode-workers", type=int, default=None,
                    help="processes that decode OTLP bodies (default: cores - 1, 1 to 4; 0 = in the server)")
+    p.add_argument("--forward", metavar="URL",
+                   help="also send every stored OTLP body on to this OTLP/HTTP endpoint (Phoenix: "
+                        "http://127.0.0.1:6006; Langfuse: <host>/api/public/otel; Jaeger or an OTel Collector: "
+                        "http://host:4318), in the background: it never delays or fails ingest")
+    p.add_argument("--forward-header", action="append", default=[], metavar="K=V",
+                   help="a header for --forward's requests, e.g. Authorization='Basic <key>' (repeatable)")
+    p.add_argument("--forward-queue-bytes", type=int, default=64 * 1024 * 1024,
+                   help="bodies waiting to be forwarded, at most (default: 64 MiB); past it they are dropped "
+                        "and counted in /health")
+    p.add_argument("--forward-retry-s", type=float, default=300.0,
+                   help="how long one body is retried while the endpoint is down or busy (default: 300)")
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("sql", help="run a read-only SQL query over the trace store",
