@@ -267,7 +267,7 @@ def test_a_run_on_a_hub_model_records_and_exports_the_hub_id(hub_cache, tmp_path
 
 def test_export_of_a_bundled_run_writes_a_card_without_a_hub_id(tmp_path):
     bundled = bundled_model_dir()
-    run = make_hub_run(tmp_path / "run", "base", bundled)
+    run = make_hub_run(tmp_path / "run", recorded_model(bundled), bundled)  # the trainer records the folder
     (run / "eval" / "summary.json").unlink()
     out = export_policy(str(run), tmp_path / "exported")
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(bundled)

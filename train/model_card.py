@@ -47,7 +47,8 @@ def base_model_of(policy: Policy) -> BaseModel:
             return BaseModel(parsed[0], parsed[1], hub=True)
         if (snapshot := hub_model_of_path(candidate)) is not None:
             return BaseModel(snapshot.repo_id, snapshot.commit, hub=True)
-    if recorded in BASE_NAMES or Path(policy.base_model) == cache_dir() / "models" / BUNDLED_NAME:
+    bundled = (cache_dir() / "models" / BUNDLED_NAME).resolve()
+    if recorded in BASE_NAMES or Path(recorded or policy.base_model).expanduser().resolve() == bundled:
         return BaseModel("bundled")
     return BaseModel(str(recorded or policy.base_model))
 
@@ -81,9 +82,9 @@ def write_model_card(policy: Policy, out: Path, kind: str, eval_reports: list[Pa
              f"A policy trained with lightning-otel, exported as a {kind} from `{policy.label}` (policy version "
              f"{policy.version}).", "", "## Base model", "", f"{base.describe()}."]
     if base.hub:
-        lines += ["", "Load it with `--model " + base.name + (f"@{base.revision}" if base.revision else "")
-                  + "` in lightning-otel, or from_pretrained(" + repr(base.name)
-                  + (f", revision={base.revision!r}" if base.revision else "") + ") in transformers."]
+        revision = f", revision={base.revision!r}" if base.revision else ""
+        lines += ["", f"The base model loads with `--model {base.name}" + (f"@{base.revision}" if base.revision else "")
+                  + f"` in lightning-otel, or `from_pretrained({base.name!r}{revision})` in transformers."]
     if (out / BASE_CARD).exists():
         lines += ["", f"The copied model's own card is kept as {BASE_CARD}."]
     lines += ["", *_training(policy.run_dir), *_evaluation(policy.run_dir, eval_reports)]
