@@ -64,10 +64,14 @@ def test_conversion_with_own_chat_template_and_stop_tokens(tmp_path):
     assert rendered == "[user] hi\n" and eos_ids == [eos, start] and eos != start
 
 
-def test_model_folders_are_checked(tmp_path):
+def test_model_folders_are_checked(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="not a local Hugging Face model folder"):
         resolve_model(str(tmp_path))
-    with pytest.raises(UserError, match="never downloaded"):
+    # A hub id is looked up in the hub cache (tests/test_hub_models.py); offline and not there, it says so.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="HuggingFaceTB/SmolLM2-135M-Instruct is not in the hub cache"):
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 

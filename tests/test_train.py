@@ -529,6 +529,7 @@ def test_export_merges_the_adapter_into_a_model_that_computes_the_same_logits(tr
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, adapted(ids).logits, atol=1e-4)
     assert (out / "tokenizer.json").is_file()
+    assert "exported as a merged model folder" in (out / "README.md").read_text()  # the model card
     assert export_policy(config.output_dir, tmp_path / "adapter").joinpath("adapter_config.json").is_file()
     with pytest.raises(UserError, match="not empty"):
         export_policy(config.output_dir, tmp_path / "adapter")

@@ -1,8 +1,9 @@
 """A trained policy as folders other tools load: the LoRA adapter as PEFT saves it, or one full Hugging Face
 model folder with the adapter merged into the base weights (tokenizer included) that any inference server
-loads. The trainer serves merged copies of its checkpoints the same way.
+loads. The trainer serves merged copies of its checkpoints the same way. Each export carries a model card
+(README.md, train/model_card.py).
 
-    lightning-otel export-policy runs/sql --out sql-policy [--merge]
+    lightning-otel export-policy runs/sql --out sql-policy [--merge] [--eval-report DIR]
 """
 from __future__ import annotations
 
@@ -11,20 +12,34 @@ from pathlib import Path
 
 from lightning_otel.errors import UserError
 from lightning_otel.serve.policy import resolve_policy
+from lightning_otel.train.model_card import base_model_of, name_hub_base, write_model_card
 
 
-def export_policy(spec: str, out: Path, merge: bool = False, python: str | None = None) -> Path:
+def export_policy(spec: str, out: Path, merge: bool = False, python: str | None = None,
+                  eval_reports: list[Path] = ()) -> Path:
+    """Write the policy `spec` names into the new folder `out`, with a model card (README.md); an adapter's
+    config names its base by hub id when the base came from the hub. `eval_reports`: eval --report folders to
+    summarise in the card, besides those inside the run folder."""
     policy = resolve_policy(spec, python)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} exists and is not empty: give a new folder")
+    missing = [str(r) for r in eval_reports if not (Path(r) / "summary.json").is_file()]
+    if missing:
+        raise UserError(f"--eval-report {', '.join(missing)}: no summary.json there; give the --report folder of "
+                        f"`lightning-otel eval`")
     if policy.adapter is None:
         shutil.copytree(policy.base_model, out, dirs_exist_ok=True)
-        return out
-    if not merge:
+        kind = "model folder"
+    elif not merge:
         shutil.copytree(policy.adapter, out, dirs_exist_ok=True)
-        return out
-    return merge_adapter(policy.base_model, policy.adapter, out)
+        name_hub_base(out, base_model_of(policy))
+        kind = "LoRA adapter"
+    else:
+        merge_adapter(policy.base_model, policy.adapter, out)
+        kind = "merged model folder"
+    write_model_card(policy, out, kind, [Path(r) for r in eval_reports])
+    return out
 
 
 def merge_adapter(base_model: Path, adapter: Path, out: Path) -> Path:

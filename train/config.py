@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainConfig:
     # what to train and where the rollouts come from
-    model: str = "bundled"            # "bundled" or a local Hugging Face model folder
+    model: str = "bundled"            # "bundled", a local Hugging Face model folder, or a hub id org/name[@revision]
     tasks: str = ""                   # JSONL task file (one task per line)
     agent: str = ""                   # the agent command, with {placeholders} (see `lightning-otel rollout`)
     reward: str = ""                  # reward function (a name a task pack registers, or module:function); stored

@@ -18,7 +18,9 @@ from lightning_otel.train.config import TrainConfig
 
 HELP: dict[str, str] = {
     # what to train and where the rollouts come from
-    "model": "The starting policy: `bundled` (SmolLM2-135M-Instruct) or a local Hugging Face model folder.",
+    "model": "The starting policy: `bundled` (SmolLM2-135M-Instruct), a local Hugging Face model folder, or a "
+             "Hugging Face hub id `org/name` / `org/name@revision` (from the hub cache, downloaded when the hub "
+             "can be reached; [models.md](models.md)).",
     "tasks": "JSONL task file for the rounds, one JSON object per line.",
     "agent": "The agent: a command with `{placeholders}`, or an agent function `module:function` or "
              "`path/to/file.py:function`.",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.hub import recorded_model
 from lightning_otel.span_store import client
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
@@ -86,7 +87,7 @@ def train_offline(config: TrainConfig, db: Path, where: str | None = None, objec
         checkpoint = folder.checkpoint("offline")
         learner.save_policy(checkpoint)
         (checkpoint / "policy.json").write_text('{"policy_version": 1}')
-        state = RunState(model=str(model_dir), policy_version=1, last="checkpoints/offline",
+        state = RunState(model=recorded_model(model_dir), policy_version=1, last="checkpoints/offline",
                          best="checkpoints/offline", sft_done=objective == "sft", config=asdict(config),
                          offline={"db": str(db), "where": where, "objective": objective, "min_reward": min_reward})
         folder.save(state)

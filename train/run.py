@@ -22,7 +22,7 @@ RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "rollout_timeout_s", 
 
 @dataclass
 class RunState:
-    model: str                        # the base model folder the run trains
+    model: str                        # the base model folder the run trains (a hub model: org/name@<commit>)
     rounds_completed: int = 0
     policy_version: int = 0           # what the engine serves: 0 = base, +1 per checkpoint
     last: str | None = None           # the newest checkpoint, relative to the run folder

@@ -33,6 +33,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.rollouts.packs import pack_for_reward
 from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
 from lightning_otel.serve.engine import PolicyEngine
+from lightning_otel.serve.hub import parse_hub_id, recorded_model
 from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import MetricsLog
@@ -87,7 +88,9 @@ class Trainer:
         c = self.config
         self.folder.path.mkdir(parents=True, exist_ok=True)
         python = c.engine_python or default_engine_python()
-        self.model_dir = resolve_model(c.model, python)
+        # A resumed run keeps the hub commit it started on, even if the model's branch has moved since.
+        resumed_hub = self.state is not None and parse_hub_id(self.state.model) is not None
+        self.model_dir = resolve_model(self.state.model if resumed_hub else c.model, python)
         c.save(self.folder.path / "config.toml")
         log.info("train config:\n%s", render_toml(c))
         self.collector = collector = Collector(private_config(self.db))  # agents get its ingest token only
@@ -174,7 +177,7 @@ class Trainer:
 
     def run(self) -> RunState:
         c = self.config
-        state = self.state or RunState(model=str(self.model_dir))
+        state = self.state or RunState(model=recorded_model(self.model_dir))
         state.config = asdict(c)
         if state.last and c.rounds > state.rounds_completed:
             self._serve(self.folder.path / state.last, state.policy_version)

@@ -39,7 +39,8 @@ def register(sub) -> None:
                         'agent function called as fn(task, llm): "module:function" or "path/to/agent.py:function"')
     p.add_argument("--model", default="base",
                    help="base (the bundled model), a training run folder (its best checkpoint), a checkpoint, a "
-                        "LoRA adapter folder or a model folder (default: base)")
+                        "LoRA adapter folder, a model folder or a Hugging Face hub id (org/name or "
+                        "org/name@revision) (default: base)")
     add_samples(p)
     p.add_argument("--report", type=Path, required=True, metavar="DIR",
                    help="folder for report.md, summary.json and the plots")

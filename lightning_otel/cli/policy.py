@@ -13,9 +13,9 @@ API_KEY_ENV = "LIGHTNING_OTEL_API_KEY"
 def cmd_export_policy(args: argparse.Namespace) -> int:
     from lightning_otel.train.checkpoints import export_policy
 
-    out = export_policy(args.model, args.out, merge=args.merge)
+    out = export_policy(args.model, args.out, merge=args.merge, eval_reports=args.eval_report or [])
     kind = "merged model folder" if args.merge else "policy"
-    print(f"{kind} written to {out}")
+    print(f"{kind} written to {out} (model card: {out / 'README.md'})")
     return 0
 
 
@@ -37,15 +37,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("export-policy", help="write a trained policy as a LoRA adapter or a merged model folder")
-    p.add_argument("model", help="a training run folder (its best checkpoint), a checkpoint or an adapter folder")
+    p.add_argument("model", help="a training run folder (its best checkpoint), a checkpoint or an adapter folder "
+                                 "(a model folder or a hub id org/name[@revision] is copied as is)")
     p.add_argument("--out", type=Path, required=True, help="new folder to write")
     p.add_argument("--merge", action="store_true", help="merge the adapter into the base model's weights")
+    p.add_argument("--eval-report", type=Path, action="append", metavar="DIR",
+                   help="an eval --report folder to summarise in the model card (repeatable; reports inside the "
+                        "run folder are found without it)")
     p.set_defaults(func=cmd_export_policy)
 
     p = sub.add_parser("serve", help="serve a trained policy behind the OpenAI-compatible gateway",
                        description="Start vLLM on the policy's base model with its adapter and the gateway in "
                                    "front; with --db every call is recorded in that trace store.")
-    p.add_argument("model", help="base, a training run folder, a checkpoint, an adapter or a model folder")
+    p.add_argument("model", help="base, a training run folder, a checkpoint, an adapter, a model folder or a "
+                                 "Hugging Face hub id (org/name or org/name@revision)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1); any other than "
                                                        "loopback needs --api-key, or --insecure-no-auth")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")

@@ -45,7 +45,8 @@ def register(sub) -> None:
     add_db(p)
     p.add_argument("--model", help="policy to serve through vLLM and the token-recording gateway, as eval takes it: "
                                    "base (the bundled SmolLM2-135M-Instruct, the default), a training run folder "
-                                   "(its best checkpoint), a checkpoint, a LoRA adapter or a model folder")
+                                   "(its best checkpoint), a checkpoint, a LoRA adapter, a model folder or a "
+                                   "Hugging Face hub id (org/name or org/name@revision)")
     p.add_argument("--base-url", help="instead of serving --model: an outside OpenAI-compatible endpoint the "
                                       "agents call (no token records)")
     p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")

@@ -133,7 +133,8 @@ def register(sub) -> None:
                    help="merge consecutive turns whose tokens extend the previous turn into one sample")
     p.add_argument("--tokenizer", default="bundled", metavar="MODEL",
                    help="tokenizer and chat template for calls without a token record: a local Hugging Face model "
-                        "folder (default: the bundled model; 'none' excludes such rollouts instead)")
+                        "folder or a hub id org/name[@revision] (default: the bundled model; 'none' excludes such "
+                        "rollouts instead)")
     p.add_argument("--model", dest="tokenizer", action=DeprecatedAlias, new="--tokenizer", help=argparse.SUPPRESS)
     p.add_argument("--max-length", type=int, metavar="TOKENS",
                    help="exclude rollouts with a call longer than this (prompt + completion tokens)")

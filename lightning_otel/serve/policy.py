@@ -13,21 +13,28 @@ Accepted values, checked in this order:
   nearest run.json above it (up to three levels: adapter -> checkpoint -> checkpoints -> run), else the
   adapter config's `base_model_name_or_path` when that is a local model folder, else the bundled model.
 - a Hugging Face model folder (has `config.json`): served as is.
-Anything else is a UserError saying what was expected. Nothing is downloaded.
+- a Hugging Face hub id, `org/name` or `org/name@revision` (when no such folder exists): its snapshot folder in the
+  hub cache, downloaded first when the hub can be reached (serve/hub.py).
+Anything else is a UserError saying what was expected. A run.json `model` or an adapter's
+`base_model_name_or_path` may be a hub id too (an adapter's `revision` key pins it).
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.hub import parse_hub_id, resolve_hub_model
+
+log = logging.getLogger(__name__)
 
 BASE_NAMES = ("base", "bundled")
 EXPECTED = ("'base' (the bundled model), a training run folder (with run.json), a checkpoint folder "
-            "(with adapter/ or model/), a PEFT LoRA adapter folder (with adapter_config.json) or a Hugging "
-            "Face model folder (with config.json)")
+            "(with adapter/ or model/), a PEFT LoRA adapter folder (with adapter_config.json), a Hugging "
+            "Face model folder (with config.json) or a Hugging Face hub id (org/name or org/name@revision)")
 ROUND = re.compile(r"round-?(\d+)$")
 
 
@@ -54,6 +61,9 @@ def resolve_policy(spec: str | Path, python: str | None = None) -> Policy:
     if text in BASE_NAMES:
         return Policy(_bundled(python), None, "base")
     path = Path(text).expanduser()
+    if not path.exists() and parse_hub_id(text) is not None:
+        hub = resolve_hub_model(text)
+        return Policy(hub.path, None, hub.spec)
     if not path.exists():
         raise UserError(f"--model {text}: no such folder; expected {EXPECTED}")
     if not path.is_dir():
@@ -135,12 +145,32 @@ def _base_of_adapter(adapter: Path, config: dict, run_dir: Path | None, python: 
         for path in (candidate, run_dir / candidate):
             if (path / "config.json").is_file():
                 return path.resolve()
-        raise UserError(f"{run_dir / 'run.json'}: model {model!r} is not a local model folder (no config.json); "
-                        f"the adapter {adapter} needs its base model")
+        if parse_hub_id(str(model)) is not None:
+            return resolve_hub_model(str(model), what=f"{run_dir / 'run.json'}: model").path
+        raise UserError(f"{run_dir / 'run.json'}: model {model!r} is not a local model folder (no config.json) nor "
+                        f"a hub id; the adapter {adapter} needs its base model")
     named = config.get("base_model_name_or_path")
     if named and (Path(str(named)).expanduser() / "config.json").is_file():
         return Path(str(named)).expanduser().resolve()
+    if named and parse_hub_id(str(named)) is not None:
+        return _hub_base(str(named), config.get("revision"), adapter, python)
     return _bundled(python)
+
+
+def _hub_base(repo: str, revision: str | None, adapter: Path, python: str | None) -> Path:
+    """A lone adapter's base named by hub id: the cached snapshot; else the bundled model when the id is the
+    bundled model's own (as adapters trained elsewhere on it name it); else fetched from the hub."""
+    from lightning_otel.serve.model import BUNDLED_HUB_ID
+
+    spec = f"{repo}@{revision}" if revision and "@" not in repo else repo
+    what = f"{adapter / 'adapter_config.json'}: base_model_name_or_path"
+    try:
+        return resolve_hub_model(spec, what=what, local_only=True).path
+    except UserError:
+        if repo == BUNDLED_HUB_ID:
+            log.info("%s: %s is not in the hub cache; serving the bundled copy of it", adapter, repo)
+            return _bundled(python)
+    return resolve_hub_model(spec, what=what).path
 
 
 def _model_folder(path: Path) -> Path:
