@@ -179,7 +179,8 @@ def register(sub) -> None:
     p.add_argument("--ingest-token", help="token that may send OTLP (/v1/traces, /v1/logs): the one to give agents")
     p.add_argument("--query-token", help="token that may run read queries (/v1/query)")
     p.add_argument("--admin-token", help="token that may do everything, and the only one that may write records "
-                                         "(rewards, tasks, rollout runs: /v1/records) and prune (/v1/prune)")
+                                         "(rewards, tasks, rollout runs: /v1/records; human scores: /v1/feedback) "
+                                         "and prune (/v1/prune)")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="largest request body accepted, compressed or not (default: 32 MiB)")
     p.add_argument("--max-pending-rows", type=int, default=200_000,

@@ -13,11 +13,11 @@ from tests.helpers.sdk import tracer_provider
 
 
 def store_rollouts(url: str, db: Path, rollouts: dict[str, tuple[str, float | None, int]],
-                   policy_version: int = 3, reward_name: str = "exec") -> None:
+                   policy_version: int = 3, reward_name: str = "exec", token: str | None = None) -> None:
     """rollouts: id -> (task id, reward or None, LLM calls). Each LLM call has a token record, an event and a link;
     the first fails with an error status; the rollout span carries a W3C tracestate."""
     provider = tracer_provider(url, resource={"service.name": "scored-agent", "deployment.replicas": 2,
-                                              "host.arch": ["x86_64", "arm64"]})
+                                              "host.arch": ["x86_64", "arm64"]}, token=token)
     tracer = provider.get_tracer("agent", "1.2.3")
     linked = SpanContext(trace_id=0xABC, span_id=0xDEF, is_remote=True, trace_flags=TraceFlags(1),
                          trace_state=TraceState([("vendor", "x1")]))
