@@ -156,8 +156,8 @@ def _labels(config: ReplayConfig, read: Callable[[str], pl.DataFrame], chosen: p
 
 
 def _named_values(frame: pl.DataFrame, column: str, key: str, primary: str | None) -> dict[str, dict[str, Any]]:
-    """rollout -> {key: the primary name's value, and key.<name> per name when the rollout has several}. The
-    primary name is `primary`, else the rollout's only one."""
+    """rollout -> {key: the primary name's value, and key.<name> per name unless the primary one is its only one}.
+    The primary name is `primary`, else the rollout's only one."""
     out: dict[str, dict[str, Any]] = {}
     for (rollout_id,), group in frame.group_by("rollout_id"):
         values = {name: value for name, value in zip(group["reward_name"], group[column]) if value is not None}
@@ -165,7 +165,7 @@ def _named_values(frame: pl.DataFrame, column: str, key: str, primary: str | Non
         chosen = primary if primary is not None else (next(iter(values)) if len(values) == 1 else None)
         if chosen in values:
             attributes[key] = float(values[chosen])
-        if len(values) > 1:
+        if len(values) > 1 or (values and chosen not in values):
             attributes.update({f"{key}.{name}": float(value) for name, value in values.items()})
         if attributes:
             out[rollout_id] = attributes

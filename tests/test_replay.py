@@ -241,3 +241,16 @@ def test_a_replayed_rollout_carries_its_reward_in_a_real_phoenix(first, tmp_path
         if phoenix.poll() is None:
             os.killpg(phoenix.pid, signal.SIGKILL)
             phoenix.wait(30)
+
+
+def test_which_reward_is_lightning_reward():
+    import polars as pl
+
+    from lightning_otel.span_store.replay import _named_values
+
+    frame = pl.DataFrame({"rollout_id": ["a", "b", "b", "c"], "reward_name": ["exec", "exec", "judge", "judge"],
+                          "reward": [1.0, 0.0, 0.5, 0.25]})
+    assert _named_values(frame, "reward", "r", None) == {
+        "a": {"r": 1.0}, "b": {"r.exec": 0.0, "r.judge": 0.5}, "c": {"r": 0.25}}
+    assert _named_values(frame, "reward", "r", "exec") == {
+        "a": {"r": 1.0}, "b": {"r": 0.0, "r.exec": 0.0, "r.judge": 0.5}, "c": {"r.judge": 0.25}}
