@@ -19,7 +19,7 @@ import polars as pl
 import pyarrow as pa
 
 from lightning_otel.errors import UserError
-from lightning_otel.span_store import discovery, otlp, otlp_files, store
+from lightning_otel.span_store import discovery, feedback, otlp, otlp_files, store
 
 DEFAULT_TIMEOUT_S = 300.0
 BUSY_WAIT_S = 120.0  # how long a command keeps retrying while the collector answers busy (429/503 + Retry-After)
@@ -205,6 +205,16 @@ def write_records(db: Path | str, table: str, rows: list[dict]) -> int:
         return orjson.loads(_request(info, "/v1/records", body, "application/json").read())["written"]
     with _writable(db) as con:
         return store.write_records(con, table, rows)
+
+
+def write_feedback(db: Path | str, score: feedback.Feedback) -> dict:
+    """Store a person's score (feedback.py) through the live collector's admin route, or into the file."""
+    info = discovery.find_collector(db)
+    if info is not None:
+        body = orjson.dumps({key: getattr(score, key) for key in feedback.FIELDS})
+        return orjson.loads(_request(info, "/v1/feedback", body, "application/json").read())
+    with _writable(db) as con:
+        return feedback.write_feedback(con, score)
 
 
 # ---- prune ------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ Endpoints                                                                       
   POST /v1/query              body: one read statement; answer: Arrow IPC stream              query
   POST /v1/prune              body: {"before_ns": int}; answer: JSON counts                    admin
   POST /v1/records            body: {"table": "tasks"|"rollout_runs"|"rewards", "rows": [...]} admin
+  POST /v1/feedback           body: {"rollout_id", "name", "value", ["span_id", "comment",     admin
+                              "author"]}: a person's score, stored as a reward (feedback.py)
   GET  /health                JSON: pid, db, rows written, which roles need a token (never the tokens),
                               forwarding's counts (sent, retried, dropped) when --forward is set
 
@@ -47,7 +49,7 @@ import lightning_otel
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import KeepAliveHandler, LocalServer, bearer_token
 from lightning_otel.lifetime import lower_thread_priority
-from lightning_otel.span_store import discovery, otlp, store
+from lightning_otel.span_store import discovery, feedback, otlp, store
 from lightning_otel.span_store.collector_config import CollectorConfig, private_config
 from lightning_otel.span_store.collector_http import RequestError, decompress, grpc_code, media_type, roles_holding
 from lightning_otel.span_store.decoding import DecoderPool
@@ -341,6 +343,8 @@ class _Handler(KeepAliveHandler):
                 return self._post_prune()
             if path == "/v1/records":
                 return self._post_records()
+            if path == "/v1/feedback":
+                return self._post_feedback()
             raise RequestError(HTTPStatus.NOT_FOUND,
                                f"no endpoint POST {path}; OTLP goes to /v1/traces or /v1/logs")
         except RequestError as err:
@@ -442,7 +446,6 @@ class _Handler(KeepAliveHandler):
             raise RequestError(HTTPStatus.BAD_REQUEST, 'prune body must be {"before_ns": <int>}') from None
         self._send(200, orjson.dumps(self.server.collector.prune(before_ns)), "application/json")
 
-
     def _post_records(self) -> None:
         try:
             doc = orjson.loads(self._read_body())
@@ -451,6 +454,16 @@ class _Handler(KeepAliveHandler):
             raise RequestError(HTTPStatus.BAD_REQUEST, 'records body must be {"table": ..., "rows": [...]}') from None
         written = self.server.collector.writer.run_exclusive(lambda con: store.write_records(con, table, rows))
         self._send(200, orjson.dumps({"written": written}), "application/json")
+
+    def _post_feedback(self) -> None:
+        try:
+            doc = orjson.loads(self._read_body())
+        except orjson.JSONDecodeError:
+            raise RequestError(HTTPStatus.BAD_REQUEST, 'feedback body must be JSON: {"rollout_id": ..., "name": ..., '
+                                                       '"value": ...}') from None
+        score = feedback.Feedback.from_json(doc)  # a UserError is answered 400
+        row = self.server.collector.writer.run_exclusive(lambda con: feedback.write_feedback(con, score))
+        self._send(200, orjson.dumps(row), "application/json")
 
 
 def run_collector(config: CollectorConfig) -> None:

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
@@ -50,19 +50,8 @@ class ForwardConfig:
     flush_s: float = 5.0  # at shutdown, how long queued bodies may still take to go out
 
     def __post_init__(self) -> None:
-        parsed = urllib.parse.urlsplit(self.url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise UserError(f"--forward {self.url!r} is not an http(s) URL: give the OTLP/HTTP endpoint, e.g. "
-                            f"http://127.0.0.1:6006 (Phoenix) or https://cloud.langfuse.com/api/public/otel")
-        path = parsed.path.rstrip("/")
-        for suffix in SIGNAL_PATHS.values():
-            if path.endswith(suffix):
-                path = path[: -len(suffix)]
-        self.url = urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
-        for name, value in self.headers.items():
-            if not name or any(c in name + value for c in "\r\n") or ":" in name:
-                raise UserError(f"--forward-header {name!r}: give NAME=VALUE, a header name without ':' and no "
-                                f"line breaks")
+        self.url = otlp_base_url(self.url, "--forward")
+        check_headers(self.headers, "--forward-header")
         if self.max_queue_bytes < 1024:
             raise UserError(f"forward queue of {self.max_queue_bytes} bytes is too small (at least 1024)")
         if not self.max_retry_s >= 0 or not self.timeout_s > 0:
@@ -72,13 +61,32 @@ class ForwardConfig:
         return self.url + SIGNAL_PATHS[signal_name]
 
 
-def parse_headers(pairs: list[str]) -> dict[str, str]:
-    """`K=V` strings (`--forward-header`) as a dict; the value may itself hold '='."""
+def otlp_base_url(url: str, flag: str) -> str:
+    """An OTLP/HTTP endpoint's base URL: `url` without a trailing /v1/traces or /v1/logs (either is accepted)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise UserError(f"{flag} {url!r} is not an http(s) URL: give the OTLP/HTTP endpoint, e.g. "
+                        f"http://127.0.0.1:6006 (Phoenix) or https://cloud.langfuse.com/api/public/otel")
+    path = parsed.path.rstrip("/")
+    for suffix in SIGNAL_PATHS.values():
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", ""))
+
+
+def check_headers(headers: dict[str, str], flag: str) -> None:
+    for name, value in headers.items():
+        if not name or any(c in name + value for c in "\r\n") or ":" in name:
+            raise UserError(f"{flag} {name!r}: give NAME=VALUE, a header name without ':' and no line breaks")
+
+
+def parse_headers(pairs: list[str], flag: str = "--forward-header") -> dict[str, str]:
+    """`K=V` strings (`--forward-header`, `--header`) as a dict; the value may itself hold '='."""
     headers = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name.strip():
-            raise UserError(f"--forward-header {pair!r}: give NAME=VALUE, e.g. Authorization='Basic <key>'")
+            raise UserError(f"{flag} {pair!r}: give NAME=VALUE, e.g. Authorization='Basic <key>'")
         headers[name.strip()] = value
     return headers
 
@@ -176,33 +184,66 @@ class Forwarder:
                 data, content_type = json_to_protobuf(body.signal_name, data), PROTOBUF
             except (ValueError, json_format.ParseError) as exc:  # stored already, so it decoded: send it as it is
                 log.warning("forwarding: an OTLP/JSON body did not convert to protobuf (%s); sent as JSON", exc)
-        data = gzip.compress(data, compresslevel=1)
-        headers = {**self.config.headers, "Content-Type": content_type, "Content-Encoding": "gzip"}
-        give_up_at, delay = time.monotonic() + self.config.max_retry_s, 0.5
-        while True:
-            request = urllib.request.Request(self.config.endpoint(body.signal_name), data=data, headers=headers,
-                                             method="POST")
-            retry_after = None
-            try:
-                with urllib.request.urlopen(request, timeout=self.config.timeout_s) as response:
-                    response.read()
-                return "sent"
-            except urllib.error.HTTPError as exc:
-                self.last_error = f"HTTP {exc.code} from {exc.url}: {exc.read(300).decode('utf-8', 'replace')}"
-                if exc.code not in RETRIED_STATUSES:
-                    log.warning("forwarding: %s; the body is not sent again", self.last_error)
-                    return "rejected"
-                retry_after = _seconds(exc.headers.get("Retry-After"))
-            except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP
-                self.last_error = f"{type(exc).__name__}: {exc}"
-            wait = min(retry_after if retry_after is not None else delay, 30.0)
-            if time.monotonic() + wait > give_up_at:
-                return "gave up"
+
+        def retrying(error: str) -> None:
+            self.last_error = error
             with self._lock:
                 self.counts["retries"] += 1
-            if self._stopping.wait(wait):
-                return "stopped"
-            delay = min(delay * 2, 30.0)
+
+        delivery = post_otlp(self.config.endpoint(body.signal_name), data, content_type, self.config.headers,
+                             timeout_s=self.config.timeout_s, max_retry_s=self.config.max_retry_s,
+                             stop=self._stopping, on_retry=retrying)
+        if delivery.error:
+            self.last_error = delivery.error
+        if delivery.outcome == "rejected":
+            log.warning("forwarding: %s; the body is not sent again", delivery.error)
+        return delivery.outcome
+
+
+@dataclass
+class Delivery:
+    """How one POST ended: outcome 'sent', 'rejected' (a 4xx that retrying cannot fix), 'gave up' (still failing
+    after max_retry_s) or 'stopped' (`stop` was set while waiting to retry)."""
+    outcome: str
+    error: str = ""  # the last failure, "HTTP 503 from <url>: <start of the body>" or the connection error
+    retries: int = 0
+    response: bytes = b""  # the endpoint's answer when sent
+
+
+def post_otlp(url: str, data: bytes, content_type: str, headers: dict[str, str], timeout_s: float = 10.0,
+              max_retry_s: float = 300.0, stop: threading.Event | None = None,
+              on_retry: Callable[[str], None] | None = None) -> Delivery:
+    """POST one OTLP body to `url`, gzip-compressed. Connection errors, 408, 429 and 5xx are retried with
+    exponential backoff (0.5 s doubling up to 30 s, or the endpoint's Retry-After) until max_retry_s has passed;
+    `on_retry(error)` is called before each wait."""
+    data = gzip.compress(data, compresslevel=1)
+    headers = {**headers, "Content-Type": content_type, "Content-Encoding": "gzip"}
+    give_up_at, delay = time.monotonic() + max_retry_s, 0.5
+    error, retries = "", 0
+    while True:
+        request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+        retry_after = None
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return Delivery("sent", error, retries, response.read())
+        except urllib.error.HTTPError as exc:
+            error = f"HTTP {exc.code} from {exc.url}: {exc.read(300).decode('utf-8', 'replace')}"
+            if exc.code not in RETRIED_STATUSES:
+                return Delivery("rejected", error, retries)
+            retry_after = _seconds(exc.headers.get("Retry-After"))
+        except (OSError, ValueError) as exc:  # refused, reset, timed out, not HTTP
+            error = f"{type(exc).__name__}: {exc}"
+        wait = min(retry_after if retry_after is not None else delay, 30.0)
+        if time.monotonic() + wait > give_up_at:
+            return Delivery("gave up", error, retries)
+        retries += 1
+        if on_retry is not None:
+            on_retry(error)
+        if stop is not None and stop.wait(wait):
+            return Delivery("stopped", error, retries)
+        if stop is None:
+            time.sleep(wait)
+        delay = min(delay * 2, 30.0)
 
 
 def json_to_protobuf(signal_name: str, body: bytes) -> bytes:

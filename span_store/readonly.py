@@ -50,6 +50,26 @@ def check_read_only(sql: str) -> None:
         _check_sources(read)
 
 
+def check_condition(where: str, flag: str = "--where") -> None:
+    """A SQL condition to put in `WHERE (\n<condition>\n)` of a read statement: not empty, and its parentheses
+    balance, so it cannot close the statement's and go on as more SQL. The statement it lands in is still
+    checked whole with check_read_only."""
+    if not where or not where.strip():
+        raise UserError(f"{flag} is empty: give a SQL condition, e.g. task_id = 'spider-12'")
+    try:
+        tokens = _tokens(where)
+    except duckdb.Error as exc:
+        raise UserError(f"{flag} {where!r} cannot be parsed: {exc}") from None
+    depth = 0
+    for _, text in tokens:
+        depth += {"(": 1, ")": -1}.get(text, 0)
+        if depth < 0:
+            break
+    if depth != 0 or any(text == ";" for _, text in tokens):
+        raise UserError(f"{flag} {where!r} is not one condition (unbalanced parentheses or a ';'): give a SQL "
+                        f"condition such as task_id = 'x' or rollout_id IN ('a', 'b')")
+
+
 def explained_statements(text: str) -> list[str]:
     """The statement an EXPLAIN [ANALYZE] wraps (EXPLAIN ANALYZE runs it), refused unless it is a read.
 

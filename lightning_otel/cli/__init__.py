@@ -1,7 +1,7 @@
 """The `lightning-otel` command: parses arguments, calls the library, renders the result.
 
 One module per command group, each registering its subcommands beside their handlers, in the pipeline's order:
-store (collect, sql, ingest, export, prune, schema, tour), capture (run), rollouts (rollout), train (compile,
+store (collect, sql, ingest, export, feedback, prune, schema, tour), capture (run), rollouts (rollout), train (compile,
 train), evaluate (eval), policy (export-policy, serve), prompts (export-prompt), and the demo. Heavy modules are
 imported inside each command, so `lightning-otel --help` stays fast.
 """

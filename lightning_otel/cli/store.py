@@ -1,4 +1,5 @@
-"""Commands over the trace store: collect, sql, ingest, export, prune, schema and the tour."""
+"""Commands over the trace store: collect, sql, ingest, export (Parquet, or a replay over OTLP), feedback, prune,
+schema and the tour."""
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,54 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from lightning_otel.span_store.export import export_parquet
 
+    if (args.parquet is None) == (args.otlp is None):
+        raise UserError("export needs one of --parquet DIR (files) or --otlp URL (a trace UI's OTLP/HTTP endpoint)")
+    if args.otlp is not None:
+        return _export_otlp(args)
+    if args.where is not None or args.header or args.reward is not None:
+        raise UserError("--where, --header and --reward are for --otlp; --parquet writes the whole store")
     written = export_parquet(args.db, args.parquet, overwrite=args.overwrite)
     for table, rows in written.items():
         print(f"{table}: {rows} rows")
     print(f"wrote {args.parquet}")
+    return 0
+
+
+def _export_otlp(args: argparse.Namespace) -> int:
+    from lightning_otel.span_store.forwarding import parse_headers
+    from lightning_otel.span_store.replay import ReplayConfig, replay
+
+    config = ReplayConfig(db=args.db, url=args.otlp, where=args.where, headers=parse_headers(args.header, "--header"),
+                          reward=args.reward, batch_spans=args.batch_spans, max_retry_s=args.retry_s)
+
+    def progress(report, total: int) -> None:
+        if sys.stderr.isatty():
+            print(f"\r{report.spans} of {total} spans sent", end="", file=sys.stderr, flush=True)
+
+    report = replay(config, progress)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(f"sent {report.spans} spans of {report.rollouts} rollouts to {config.endpoint} in {report.requests} "
+          f"requests" + (f"; the endpoint rejected {report.rejected_spans} spans" if report.rejected_spans else ""))
+    return 1 if report.rejected_spans else 0
+
+
+def cmd_feedback(args: argparse.Namespace) -> int:
+    import getpass
+
+    from lightning_otel.span_store import client
+    from lightning_otel.span_store.feedback import Feedback
+
+    author = args.author
+    if author is None:
+        try:
+            author = getpass.getuser()
+        except (KeyError, OSError):
+            author = None
+    row = client.write_feedback(args.db, Feedback(rollout_id=args.rollout, span_id=args.span, name=args.name,
+                                                  value=args.value, comment=args.comment, author=author))
+    target = f"span {row['span_id']} of rollout {row['rollout_id']}" if row["span_id"] else f"rollout {row['rollout_id']}"
+    print(f"stored {row['name']} = {row['value']:g} for {target}" + (f" by {row['author']}" if row["author"] else ""))
     return 0
 
 
@@ -134,7 +179,8 @@ def register(sub) -> None:
     p.add_argument("--ingest-token", help="token that may send OTLP (/v1/traces, /v1/logs): the one to give agents")
     p.add_argument("--query-token", help="token that may run read queries (/v1/query)")
     p.add_argument("--admin-token", help="token that may do everything, and the only one that may write records "
-                                         "(rewards, tasks, rollout runs: /v1/records) and prune (/v1/prune)")
+                                         "(rewards, tasks, rollout runs: /v1/records; human scores: /v1/feedback) "
+                                         "and prune (/v1/prune)")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="largest request body accepted, compressed or not (default: 32 MiB)")
     p.add_argument("--max-pending-rows", type=int, default=200_000,
@@ -197,11 +243,42 @@ def register(sub) -> None:
     add_db(p)
     p.set_defaults(func=cmd_ingest)
 
-    p = sub.add_parser("export", help="write the store as Parquet, spans and logs partitioned by day")
+    p = sub.add_parser("export", help="write the store as Parquet, or replay rollouts to a trace UI over OTLP",
+                       description="--parquet DIR: the store as Parquet files, spans and logs partitioned by day. "
+                                   "--otlp URL: send the spans of the rollouts --where chooses to an OTLP/HTTP "
+                                   "endpoint (Phoenix, Langfuse, Jaeger, an OpenTelemetry Collector), each with "
+                                   "lightning.reward, and LLM call spans with lightning.advantage and "
+                                   "lightning.policy.version.")
     add_db(p)
-    p.add_argument("--parquet", type=Path, required=True, metavar="DIR", help="output folder")
+    p.add_argument("--parquet", type=Path, metavar="DIR", help="output folder")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--otlp", metavar="URL", help="OTLP/HTTP endpoint to replay rollouts to (Phoenix: "
+                                                 "http://127.0.0.1:6006; Langfuse: <host>/api/public/otel)")
+    p.add_argument("--where", metavar="SQL", help="SQL condition over the rollouts view, e.g. \"task_id = 'x'\" or "
+                                                 "\"rollout_id IN ('a', 'b')\" (default: every rollout)")
+    p.add_argument("--header", action="append", default=[], metavar="K=V",
+                   help="a header for --otlp's requests, e.g. Authorization='Basic <key>' (repeatable)")
+    p.add_argument("--reward", metavar="NAME", help="the reward name lightning.reward and lightning.advantage carry "
+                                                    "when rollouts have several (each also gets lightning.reward.<name>)")
+    p.add_argument("--batch-spans", type=int, default=1000, help="spans per request (default: 1000)")
+    p.add_argument("--retry-s", type=float, default=60.0,
+                   help="how long one request is retried while the endpoint is down or busy (default: 60)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("feedback", help="store a person's score for a rollout or one of its spans, as a reward",
+                       description="Attach a score (name, value, comment, author) to a rollout, or to one span of "
+                                   "it, stored as a reward with source human. Under the name of a reward function "
+                                   "it outranks the computed value; under a new name, compile --reward NAME trains "
+                                   "on it. Goes through the running collector (it needs the admin token, read from "
+                                   "<db>.collector.json) or into the file when none holds it.")
+    add_db(p)
+    p.add_argument("--rollout", required=True, metavar="ID", help="rollout id (SELECT rollout_id FROM rollouts)")
+    p.add_argument("--span", metavar="SPAN_ID", help="score this span of the rollout instead of the whole rollout")
+    p.add_argument("--name", required=True, help="reward name the score is stored under")
+    p.add_argument("--value", required=True, help="the score, a number")
+    p.add_argument("--comment", help="why (stored with the score)")
+    p.add_argument("--author", help="who gives the score (default: your user name)")
+    p.set_defaults(func=cmd_feedback)
 
     p = sub.add_parser("prune", help="delete traces that ended before a date",
                        description="Delete whole traces whose last span ended before DATE, and older logs.")
