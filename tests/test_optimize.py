@@ -261,7 +261,7 @@ def optimised(engine, tmp_path_factory):
 
 
 SQL_VERSIONS = f"""
-SELECT r.task_id, r.reward, json_extract_string(s.attributes, '$."{VERSION_ATTRIBUTE}"') AS version,
+SELECT c.task_id, r.reward, json_extract_string(s.attributes, '$."{VERSION_ATTRIBUTE}"') AS version,
        json_extract_string(s.attributes, '$."{PATCH_ID_ATTRIBUTE}"') AS patch_id
 FROM generations g JOIN spans s ON s.trace_id = g.trace_id AND s.span_id = g.span_id
 JOIN llm_calls c ON c.trace_id = g.trace_id AND c.span_id = g.llm_span_id
@@ -272,7 +272,8 @@ LEFT JOIN episode_rewards r ON r.rollout_id = c.rollout_id
 def test_the_optimiser_beats_the_agents_own_prompt_on_validation(optimised):
     summary = optimised["summary"]
     assert summary["best_val"] > summary["seed_val"], summary
-    assert summary["components"] == ["answer"] and summary["best_key"] != BASE
+    # one component: the agent's system message (a bare SDK call: named by its fingerprint)
+    assert summary["components"] == [f"system-{fingerprint(SYSTEM)[:8]}"] and summary["best_key"] != BASE
     patches = load_patches(optimised["run"] / "best_prompt.json")  # a patch file --prompt takes
     assert {p.version for p in patches.patches} == {summary["best_key"]}
     assert summary["rollouts"] >= 12 and summary["metric_calls"] >= 12
@@ -289,7 +290,7 @@ def test_every_evaluation_is_in_the_store_with_its_prompt_version(optimised):
         by_version.setdefault(row["version"], []).append(row["reward"])
     assert by_version[None] and not any(by_version[None][:3])  # the seed: no patch recorded, the word never said
     best = by_version[summary["best_key"]]
-    assert {r["patch_id"] for r in rows if r["version"] == summary["best_key"]} == {"apo-answer"}
+    assert {r["patch_id"] for r in rows if r["version"] == summary["best_key"]} == {f"apo-{summary['components'][0]}"}
     assert sum(best) / len(best) > 0
     evaluated = {json.loads(line)["candidate"] for line in (optimised["run"] / "evaluations.jsonl").open()}
     assert evaluated - {BASE} <= set(by_version)
@@ -308,11 +309,11 @@ def test_demonstrations_come_from_the_stores_full_reward_train_calls(optimised):
     from lightning_otel.train.apo.adapter import read_calls
 
     state = json.loads((optimised["run"] / "demos.json").read_text())
-    pool = state["pool"]["answer"]
+    pool = state["pool"][optimised["summary"]["components"][0]]
     assert pool and all("banana" in d["assistant"].lower() and d["user"] in TRAIN for d in pool)
     assert state["sets"] and state["sets"][0]["demos"][0] in pool
     rollouts = [json.loads(line) for line in (optimised["run"] / "evaluations.jsonl").open()]
     train = {i: r["rewards"][0] for r in rollouts if r["task_id"].startswith("train") for i in r["rollout_ids"]}
     components = [Component(**{**c, "agents": tuple(c["agents"])})
                   for c in json.loads((optimised["run"] / "components.json").read_text())]
-    assert demo_pool(read_calls(optimised["db"], sorted(train)), train, components, 1.0)["answer"][:len(pool)] == pool
+    assert demo_pool(read_calls(optimised["db"], sorted(train)), train, components, 1.0)[components[0].name] == pool
