@@ -60,8 +60,15 @@ class ReflectionModel:
         digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
         if digest in self.answers:
             return self.answers[digest]
-        reply = self.client.chat.completions.create(model=self._model_name(), messages=messages,
-                                                    max_tokens=self.max_tokens, temperature=self.temperature)
+        try:
+            reply = self.client.chat.completions.create(model=self._model_name(), messages=messages,
+                                                        max_tokens=self.max_tokens, temperature=self.temperature)
+        except UserError:
+            raise
+        except Exception as exc:  # GEPA skips the step; say why here, where people look
+            log.warning("reflection model %s at %s failed (%s): this step proposes nothing", self.model,
+                        self.base_url, exc)
+            raise
         answer = reply.choices[0].message.content or ""
         with self._lock:
             self.calls += 1
