@@ -7,11 +7,7 @@ Later sources win: defaults < TOML file < key=value. The resolved config is prin
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import shlex
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +16,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.serve.prompts import load_patches
 from lightning_otel.serve.toolcalls import FORMATS
 from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
+from lightning_otel.train.settings import load_settings, render_toml
 from lightning_otel.train.transitions.credit import ADVANTAGES, advantage_name
 
 log = logging.getLogger(__name__)
@@ -208,22 +205,6 @@ class TrainConfig:
         path.write_text(render_toml(self))
 
 
-def render_toml(config: TrainConfig) -> str:
-    lines = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if value is None:  # a deprecated key, already mapped onto its new one; TOML has no null
-            continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (int, float)):
-            text = repr(value)
-        else:  # JSON strings (and lists of them) are TOML basic strings (and arrays): newlines escaped
-            text = json.dumps(value)
-        lines.append(f"{f.name} = {text}")
-    return "\n".join(lines) + "\n"
-
-
 def migrate_saved(saved: dict) -> dict:
     """A config saved by the previous release, in this release's keys (what the deprecated keys map onto)."""
     saved = dict(saved)
@@ -237,72 +218,9 @@ def migrate_saved(saved: dict) -> dict:
     return saved
 
 
-def _coerce(name: str, kind: Any, raw: Any) -> Any:
-    if isinstance(kind, str) and kind.endswith(" | None"):  # a deprecated key: its value's own type
-        kind = kind[:-len(" | None")]
-    if kind == "str | list[str]":  # a TOML array, or `key=[...]` as JSON, or a plain text
-        if isinstance(raw, str) and raw.lstrip().startswith("["):
-            try:
-                return json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"train config: {name} = {raw!r} is not a JSON list of texts ({exc})") from None
-        return raw
-    if kind == "list[str]":  # a TOML array, `key=["--a", "b"]` as JSON, or `key=--a b` split as a shell would
-        if isinstance(raw, str):
-            if raw.lstrip().startswith("["):
-                try:
-                    return json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"train config: {name} = {raw!r} is not a JSON list of texts ({exc})") from None
-            try:
-                return shlex.split(raw)
-            except ValueError as exc:
-                raise UserError(f"train config: {name} = {raw!r}: {exc}") from None
-        return raw
-    if kind == "list[int]":  # a TOML array, or `key=0,2` / `key=[0, 2]`
-        if isinstance(raw, str):
-            text = raw.strip().strip("[]")
-            try:
-                return [int(part) for part in text.split(",") if part.strip()]
-            except ValueError:
-                raise UserError(f"train config: {name} = {raw!r} is not a list of whole numbers (e.g. 0,2)") from None
-        return raw
-    kind = {"str": str, "int": int, "float": float, "bool": bool}.get(kind, kind) if isinstance(kind, str) else kind
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(raw).lower() in ("0", "false", "no", "off"):
-            return False
-        raise UserError(f"train config: {name} = {raw!r} is not true/false")
-    try:
-        return kind(raw) if not (kind is int and isinstance(raw, float)) else int(raw)
-    except (TypeError, ValueError):
-        raise UserError(f"train config: {name} = {raw!r} is not a valid {kind.__name__}") from None
-
-
 def load_config(path: Path | None = None, overrides: list[str] = (), **values: Any) -> TrainConfig:
     """Defaults, then the TOML file, then `key=value` overrides, then keyword values (CLI flags)."""
-    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
-    merged: dict[str, Any] = {}
-    if path is not None:
-        try:
-            merged.update(tomllib.loads(Path(path).read_text()))
-        except FileNotFoundError:
-            raise UserError(f"--config {path}: no such file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"--config {path}: not valid TOML ({exc})") from None
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise UserError(f"{item!r}: overrides are key=value (e.g. rounds=3)")
-        merged[key.strip()] = raw.strip()
-    merged.update({k: v for k, v in values.items() if v is not None})
-    unknown = sorted(set(merged) - set(fields))
-    if unknown:
-        raise UserError(f"train config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-    return TrainConfig(**{k: _coerce(k, fields[k], v) for k, v in merged.items()})
+    return load_settings(TrainConfig, "train config", path, overrides, **values)
 
 
-__all__ = ["TrainConfig", "load_config", "render_toml"]
+__all__ = ["TrainConfig", "load_config", "load_settings", "render_toml"]

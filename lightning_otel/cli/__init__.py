@@ -1,9 +1,9 @@
 """The `lightning-otel` command: parses arguments, calls the library, renders the result.
 
 One module per command group, each registering its subcommands beside their handlers, in the pipeline's order:
-store (collect, sql, ingest, export, feedback, prune, schema, tour), capture (run), rollouts (rollout), train (compile,
-train), evaluate (eval), policy (export-policy, serve), prompts (export-prompt), and the demo. Heavy modules are
-imported inside each command, so `lightning-otel --help` stays fast.
+store (collect, sql, ingest, export, feedback, prune, schema, tour), capture (run), rollouts (rollout), train
+(compile, train), evaluate (eval), policy (export-policy, serve), prompts (export-prompt), optimize, and the demo.
+Heavy modules are imported inside each command, so `lightning-otel --help` stays fast.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import logging
 import sys
 
 from lightning_otel import __version__
-from lightning_otel.cli import capture, demo, evaluate, policy, prompts, rollouts, store, train
+from lightning_otel.cli import capture, demo, evaluate, optimize, policy, prompts, rollouts, store, train
 from lightning_otel.cli.quiet import quiet_third_parties
 from lightning_otel.errors import UserError
 
-GROUPS = (store, capture, rollouts, train, evaluate, policy, prompts, demo)
+GROUPS = (store, capture, rollouts, train, evaluate, policy, prompts, optimize, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

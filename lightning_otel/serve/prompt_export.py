@@ -28,7 +28,7 @@ GROUP BY ALL
 """
 
 
-def _recorded_system(system_instructions: str | None, first_message: str | None) -> str | None:
+def recorded_system(system_instructions: str | None, first_message: str | None) -> str | None:
     """The system text of a stored call: its gen_ai.system_instructions (text parts), else its first input
     message when that is a system one (parts schema, or OpenAI's content)."""
     for raw, is_message in ((system_instructions, False), (first_message, True)):
@@ -58,7 +58,7 @@ def agent_prompts(db: Path | str) -> list[dict]:
 
     counts: dict[tuple[str, str], int] = defaultdict(int)
     for row in client.query(SQL_AGENT_SYSTEMS, db).iter_rows(named=True):
-        text = _recorded_system(row["system_instructions"], row["first_message"])
+        text = recorded_system(row["system_instructions"], row["first_message"])
         if text is not None:
             counts[(row["agent"], text)] += int(row["calls"])
     rows = [{"agent": agent, "system_sha256": fingerprint(text), "system": text, "calls": calls}

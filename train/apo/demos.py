@@ -1,0 +1,151 @@
+"""The demonstrations proposer: few-shot examples bootstrapped from the agent's own high-reward calls; it needs no
+strong model.
+
+1. The starting candidate (the seed, or the reflection's best) runs on every train task (read back where it did).
+2. The pool, per component: the calls of train-split rollouts (of any candidate so far) that earned at least
+   `demos_min_reward`, that sent the component's system message, opened their conversation (one user message
+   after the system message) and answered in text. Each gives a pair (user message, answer); one per user text.
+3. Up to `demos_sets` different sets of `demos_k` pairs, drawn with `seed`, each added as `demos` to one component
+   of the starting candidate, are evaluated on the validation split like every candidate; the best set is kept
+   when it beats the starting candidate there.
+
+Only train-split calls become demonstrations, so no validation task's answer is shown to the model it is scored
+on. The pool and each set's score are kept in `demos.json` in the run folder: a rerun reads the pool back (the
+same sets are drawn) and evaluates only the sets it has no score for.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from lightning_otel.rollouts.runner import Task
+from lightning_otel.serve.prompts import fingerprint
+from lightning_otel.train.apo.adapter import answer_text, conversation, message_text, stored_messages
+from lightning_otel.train.apo.candidates import Component, with_demos
+from lightning_otel.train.apo.evaluation import Evaluator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DemosOutcome:
+    candidate: dict[str, str]   # the best: the starting candidate, or it with the best set of demonstrations
+    score: float | None         # its validation score
+    start_score: float | None   # the starting candidate's
+    tried: int                  # sets evaluated (now or before a resume)
+    pool: dict[str, int]        # demonstrations available per component
+
+
+def demo_pair(call: dict) -> dict | None:
+    """(user, assistant) of a call that opened its conversation with one user message and answered in text."""
+    opening = conversation(call["input_messages"])
+    if len(opening) != 1 or opening[0].get("role") != "user":
+        return None
+    answers = stored_messages(call["output_messages"])
+    if any(isinstance(p, dict) and p.get("type") == "tool_call" for m in answers for p in (m.get("parts") or [])):
+        return None
+    user, assistant = message_text(opening[0]).strip(), answer_text(call["output_messages"]).strip()
+    return {"user": user, "assistant": assistant} if user and assistant else None
+
+
+def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: list[Component],
+              min_reward: float) -> dict[str, list[dict]]:
+    """Per component, the demonstrations the high-reward calls give (module docstring, step 2); `calls` in order
+    (read_calls), `rewards` by rollout id."""
+    pool: dict[str, list[dict]] = {c.name: [] for c in components}
+    by_print = {c.fingerprint: c.name for c in components}
+    seen: set[tuple[str, str]] = set()
+    for call in calls:
+        reward = rewards.get(call["rollout_id"])
+        if reward is None or reward < min_reward or call["system"] is None:
+            continue
+        name = by_print.get(fingerprint(call["system"]))
+        pair = demo_pair(call) if name else None
+        if pair is None or (name, pair["user"]) in seen:
+            continue
+        seen.add((name, pair["user"]))
+        pool[name].append(pair)
+    return pool
+
+
+def demo_sets(pool: dict[str, list[dict]], k: int, count: int, seed: int) -> list[tuple[str, list[dict]]]:
+    """Up to `count` different (component, demonstrations) sets of k pairs (fewer where the pool is smaller),
+    drawn with `seed`, round robin over the components that have a pool."""
+    rng = random.Random(seed)
+    names = [n for n, pairs in sorted(pool.items()) if pairs]
+    sets: list[tuple[str, list[dict]]] = []
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    attempts = 0
+    while names and len(sets) < count and attempts < 20 * count:
+        name = names[attempts % len(names)]
+        attempts += 1
+        pairs = pool[name]
+        chosen = rng.sample(pairs, min(k, len(pairs)))
+        mark = (name, tuple(sorted(p["user"] for p in chosen)))
+        if mark not in seen:
+            seen.add(mark)
+            sets.append((name, chosen))
+    return sets
+
+
+class DemosProposer:
+    def __init__(self, evaluator: Evaluator, calls_of: Callable[[list[str]], list[dict]], state_path: Path,
+                 k: int, sets: int, min_reward: float, seed: int):
+        self.evaluator, self.calls_of, self.state_path = evaluator, calls_of, Path(state_path)
+        self.k, self.sets, self.min_reward, self.seed = k, sets, min_reward, seed
+
+    def _state(self) -> dict:
+        if self.state_path.is_file():
+            return json.loads(self.state_path.read_text())
+        return {}
+
+    def _save(self, state: dict) -> None:
+        partial = self.state_path.with_suffix(".tmp")
+        partial.write_text(json.dumps(state, indent=2, ensure_ascii=False) + "\n")
+        partial.replace(self.state_path)
+
+    def _pool(self, train: list[Task]) -> dict[str, list[dict]]:
+        train_ids = {t.task_id for t in train}
+        rewards = {rollout_id: result.rewards[i] if i < len(result.rewards) else None
+                   for (_, task_id), result in sorted(self.evaluator.log.results.items()) if task_id in train_ids
+                   for i, rollout_id in enumerate(result.rollout_ids)}
+        return demo_pool(self.calls_of(sorted(rewards)), rewards, self.evaluator.components, self.min_reward)
+
+    def run(self, start: dict[str, str], train: list[Task], val: list[Task]) -> DemosOutcome:
+        start_key = self.evaluator.key(start)
+        state = self._state()
+        if state.get("start") != start_key:  # a new start (or a first run): draw the pool from the store
+            self.evaluator.evaluate(start, train, "demonstrations: train split")
+            state = {"start": start_key, "pool": self._pool(train), "sets": []}
+            self._save(state)
+        start_score = _mean(self.evaluator.evaluate(start, val, "demonstrations: validation"))
+        best, best_score = start, start_score
+        scored = {s["key"]: s for s in state["sets"]}
+        for number, (name, demos) in enumerate(demo_sets(state["pool"], self.k, self.sets, self.seed), 1):
+            candidate = with_demos(start, name, demos)
+            key = self.evaluator.key(candidate)
+            if key not in scored:
+                score = _mean(self.evaluator.evaluate(candidate, val, f"demonstrations: set {number}"))
+                scored[key] = {"key": key, "component": name, "demos": demos, "val_score": score}
+                state["sets"] = list(scored.values())
+                self._save(state)
+            score = scored[key]["val_score"]
+            log.info("demonstrations set %d (%s, candidate %s): validation %.3f", number, name, key, score)
+            if best_score is None or score > best_score:
+                best, best_score = candidate, score
+        if not any(state["pool"].values()):
+            log.warning("no train-split call earned reward >= %s: the demonstrations proposer has nothing to "
+                        "show the model", self.min_reward)
+        return DemosOutcome(best, best_score, start_score, len(scored),
+                            {n: len(p) for n, p in state["pool"].items()})
+
+
+def _mean(results) -> float:
+    return sum(r.score for r in results) / len(results) if results else 0.0
+
+
+__all__ = ["DemosProposer", "DemosOutcome", "demo_pool", "demo_sets", "demo_pair"]
