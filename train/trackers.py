@@ -84,18 +84,18 @@ class WandbTracker:
     def __init__(self, run: TrackerRun):
         import wandb
 
-        run_id = run.saved.get("id") if run.resume else None
-        run_id = run_id or wandb.util.generate_id()
+        previous = run.saved.get("id") if run.resume else None
         try:
             self.run = wandb.init(project=run.project, name=run.name, dir=str(run.folder), config=run.config,
-                                  id=run_id, resume="allow", settings=wandb.Settings(silent=True))
+                                  id=previous, resume="allow" if previous else None,
+                                  settings=wandb.Settings(silent=True))
         except Exception as exc:  # wandb raises its own types for a missing login, a bad project, no network
             raise UserError(f"report_to wandb: W&B could not start a run ({exc}); log in with `wandb login`, or "
                             f"set WANDB_MODE=offline to write the run into the run folder (then `wandb sync`)") \
                 from None
-        self.id = run_id
+        self.id = self.run.id
         self.defined: set[str] = set()
-        log.info("W&B run %s: %s", run_id, self.run.url or f"offline, in {run.folder / 'wandb'} (wandb sync)")
+        log.info("W&B run %s: %s", self.id, self.run.url or f"offline, in {run.folder / 'wandb'} (wandb sync)")
 
     def log(self, metrics: dict[str, float], axis: str, step: int) -> None:
         if axis not in self.defined:
