@@ -185,7 +185,7 @@ class Scores:
     entropy: torch.Tensor  # [B, T] float, no grad: entropy of the whole next-token distribution at each position
 
 
-ENTROPY_CHUNK_ELEMENTS = 1 << 22  # vocabulary entries per piece of the entropy sum: ~16 MB of fp32 temporaries
+ENTROPY_CHUNK_ELEMENTS = 1 << 24  # values per piece of the entropy sum: ~64 MB per fp32 temporary
 
 
 def token_entropy(logp_all: torch.Tensor, chunk_elements: int = ENTROPY_CHUNK_ELEMENTS) -> torch.Tensor:
