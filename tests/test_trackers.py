@@ -280,3 +280,21 @@ def test_a_resumed_run_continues_its_tracker_runs_and_a_new_one_starts_others(re
     fresh.close()
     again = json.loads((out / trackers.STATE_FILE).read_text())
     assert again["mlflow"]["run_id"] != before["mlflow"]["run_id"] and again["wandb"]["id"] != before["wandb"]["id"]
+
+
+def test_a_tracker_that_cannot_start_stops_the_run_before_the_learner_and_closes_the_store(tmp_path, monkeypatch):
+    from lightning_otel.train.trainer import Trainer
+
+    # no W&B login here: no key in the environment, an empty .netrc and settings folder
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    for name in ("WANDB_API_KEY", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setattr("lightning_otel.train.learner.Learner.__init__",
+                        lambda *_, **__: pytest.fail("the learner was built before the trackers started"))
+    config = TrainConfig(output_dir=str(tmp_path / "run"), rounds=0, report_to=["wandb"])
+    with pytest.raises(UserError, match=r"wandb login.*WANDB_MODE=offline"):
+        with Trainer(config):
+            pytest.fail("the run started without its tracker")
+    assert not (tmp_path / "run" / "traces.duckdb.collector.json").exists()  # the store's collector stopped

@@ -86,10 +86,11 @@ class WandbTracker:
 
         previous = run.saved.get("id") if run.resume else None
         try:
+            # WANDB_MODE read now: wandb's process-wide setup keeps the environment of its first run
             self.run = wandb.init(project=run.project, name=run.name, dir=str(run.folder), config=run.config,
                                   id=previous, resume="allow" if previous else None,
-                                  settings=wandb.Settings(silent=True))
-        except Exception as exc:  # wandb raises its own types for a missing login, a bad project, no network
+                                  mode=os.environ.get("WANDB_MODE") or None, settings=wandb.Settings(silent=True))
+        except wandb.errors.Error as exc:  # a missing login (UsageError), a bad project or no network (CommError)
             raise UserError(f"report_to wandb: W&B could not start a run ({exc}); log in with `wandb login`, or "
                             f"set WANDB_MODE=offline to write the run into the run folder (then `wandb sync`)") \
                 from None
@@ -183,8 +184,9 @@ def tracker_names(value: str | list[str] | None) -> list[str]:
                         f"from {', '.join(TRACKERS)} (or \"none\")")
     missing = [name for name in names if importlib.util.find_spec(TRACKERS[name][1]) is None]
     if missing:
-        raise UserError(f"train config: report_to names {', '.join(missing)}, but the {', '.join(TRACKERS[n][1] for n in missing)} "
-                        f"package is not installed: {INSTALL_HINT}")
+        packages = ", ".join(TRACKERS[name][1] for name in missing)
+        raise UserError(f"train config: report_to names {', '.join(missing)}, but the {packages} package is not "
+                        f"installed: {INSTALL_HINT}")
     return list(dict.fromkeys(names))
 
 

@@ -11,9 +11,9 @@ the engine as policy version r. An optional SFT warm start runs before round 1 (
 The run folder: config.toml (resolved config), run.json (progress: rounds completed, last and best
 checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
 steps.jsonl, the trackers' folders (tensorboard/, wandb/, mlruns/; trackers.json), reward_curve.png,
-traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model, state}, pool.jsonl (with pool_min_pass / pool_max_pass: every task's pass rate under the starting policy and
-whether the rounds use it); while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*;
-train/sft.py).
+traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model, state}, pool.jsonl (with
+pool_min_pass / pool_max_pass: every task's pass rate under the starting policy and whether the rounds use it);
+while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*; train/sft.py).
 Randomness is derived from (seed, round), so a resumed round draws the same tasks and batch order.
 """
 from __future__ import annotations
@@ -79,6 +79,13 @@ class Trainer:
         self.db = self.folder.path / "traces.duckdb"
 
     def __enter__(self) -> "Trainer":
+        try:
+            return self._open()
+        except BaseException as exc:  # what was started so far (the collector, the tracker runs) stops
+            self._stack.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    def _open(self) -> "Trainer":
         from lightning_otel.serve.engine import default_engine_python
         from lightning_otel.serve.model import resolve_model
         from lightning_otel.span_store.collector import Collector, private_config
@@ -93,6 +100,9 @@ class Trainer:
         self.collector = collector = Collector(private_config(self.db))  # agents get its ingest token only
         collector.start()
         self._stack.callback(collector.close)
+        # Before the learner: a tracker that cannot start (no W&B login) stops the run in seconds.
+        self.metrics = open_metrics(c, self.folder.path, resume=self.state is not None)
+        self._stack.push(lambda kind, *_: self.metrics.close(failed=kind is not None))  # the tracker runs' status
         self.learner = Learner(self.model_dir, c)
         self._stack.callback(self.learner.close)
         if self.state is not None and self.state.last:
@@ -101,8 +111,6 @@ class Trainer:
             self.learner.load_state(self.folder.path / self.state.last / "state", optimizer=not grpo_starts)
             log.info("resuming after %s (round %d of %d)", self.state.last, self.state.rounds_completed,
                      c.rounds)
-        self.metrics = open_metrics(c, self.folder.path, resume=self.state is not None)
-        self._stack.push(lambda kind, *_: self.metrics.close(failed=kind is not None))  # the tracker runs' status
         return self
 
     def __exit__(self, *exc) -> None:
