@@ -44,6 +44,8 @@ def trained(result: subprocess.CompletedProcess, out: Path) -> tuple[dict, dict]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "terminate called" not in result.stderr  # every rank left its process group before exiting
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [s["optimizer_step"] for s in steps] == list(range(1, metrics["steps"] + 1))  # rank 0 alone writes
     return metrics, load_file(out / "checkpoints" / "offline" / "adapter" / "adapter_model.safetensors")
 
 
@@ -55,6 +57,9 @@ def assert_same_training(one: tuple[dict, dict], two: tuple[dict, dict]) -> None
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
     # Adam's update hardly depends on the gradient's scale: the norm is what shows a gradient summed wrong.
     assert m1["grad_norm"] > 0 and m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+    # the step metrics are summed over the ranks' micro-batches like the loss
+    assert m1["entropy"] > 0 and m2["entropy"] == pytest.approx(m1["entropy"], rel=1e-5)
+    assert m2["approx_kl"] == pytest.approx(m1["approx_kl"], rel=1e-4, abs=1e-8)
     assert w1.keys() == w2.keys()
     moved = 0
     for key in w1:

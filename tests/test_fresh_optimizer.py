@@ -61,6 +61,7 @@ def test_a_resumed_grpo_run_loads_the_sft_weights_but_not_the_optimizer(after_sf
     try:
         resumed.load_state(folder, optimizer=False)
         assert adam_steps(resumed) == set()
+        assert resumed.optimizer_steps == trained.optimizer_steps == 3  # the run's step count goes on (step metrics)
         weights = trainable(resumed)
         assert all(torch.equal(weights[name], value) for name, value in trainable(trained).items())
         grpo_step(resumed, config)

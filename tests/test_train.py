@@ -209,6 +209,25 @@ def test_grpo_after_the_warm_start_starts_with_a_fresh_optimizer(trained):
     assert adam_steps == {grpo["steps"]}  # Adam counted GRPO's steps only: SFT's state was dropped
 
 
+def test_every_optimizer_step_of_sft_and_grpo_is_one_point_of_the_step_series(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config, *_ = trained
+    folder = Path(config.output_dir)
+    sft, grpo = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
+    total = sft["steps"] + grpo["steps"]
+    assert [s["optimizer_step"] for s in steps] == list(range(1, total + 1))  # GRPO's steps count on after SFT's
+    assert [s["lr"] for s in steps] == [config.sft_lr] * sft["steps"] + [config.lr] * grpo["steps"]
+    sft_steps, grpo_steps = steps[:sft["steps"]], steps[sft["steps"]:]
+    assert all("approx_kl" in s for s in grpo_steps) and not any("approx_kl" in s for s in sft_steps)  # ratio loss
+    events = EventAccumulator(str(folder / "tensorboard"))  # the default tracker
+    events.Reload()
+    entropy = [(e.step, e.value) for e in events.Scalars("train/entropy")]
+    assert [x for x, _ in entropy] == list(range(1, total + 1)) and all(0 < v < 20 for _, v in entropy)
+    assert [e.step for e in events.Scalars("grpo/reward_mean")] == [1]
+
+
 def test_a_round_reports_the_first_micro_batch_and_the_policy_it_was_served(trained):
     config, *_ = trained
     grpo = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()][-1]

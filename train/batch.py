@@ -179,12 +179,38 @@ def _prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, batch_size: 
     return DynamicCache(ddp_cache_data=layers)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
-                        autocast: bool = False) -> torch.Tensor:
+@dataclass
+class Scores:
+    logp: torch.Tensor     # [B, T] float, differentiable: log p of each completion token
+    entropy: torch.Tensor  # [B, T] float, no grad: entropy of the whole next-token distribution at each position
+
+
+ENTROPY_CHUNK_ELEMENTS = 1 << 24  # values per piece of the entropy sum: ~64 MB per fp32 temporary
+
+
+def token_entropy(logp_all: torch.Tensor, chunk_elements: int = ENTROPY_CHUNK_ELEMENTS) -> torch.Tensor:
+    """H = -sum_v p_v log p_v over the last dimension of log-probabilities `logp_all` [..., V], without grad.
+    It reads the log-softmax the loss already computed (autograd keeps it anyway) and takes a few rows at a
+    time, so the extra memory is one piece of about `chunk_elements` values, not another [..., V] tensor."""
+    with torch.no_grad():
+        flat = logp_all.detach().reshape(-1, logp_all.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+        rows = max(1, chunk_elements // max(1, flat.shape[1]))
+        for start in range(0, flat.shape[0], rows):
+            part = flat[start:start + rows].float()
+            p = part.exp()
+            # p log p -> 0 where p underflows to 0 (log p may be -inf there)
+            out[start:start + rows] = -torch.where(p > 0, p * part, torch.zeros_like(p)).sum(dim=-1)
+        return out.reshape(logp_all.shape[:-1])
+
+
+def completion_scores(model: torch.nn.Module, batch: Batch, temperature: float = 1.0, autocast: bool = False,
+                      entropy: bool = True) -> Scores:
     """log p(target token | everything before it) for the completion positions: [B, T], under the model's
-    distribution at `temperature` (logits / T: the distribution rollouts sampled from). `autocast`: the forward
-    pass computes in bf16 (torch.autocast) while the weights, and so the optimizer, stay fp32; the log-softmax
-    is taken in fp32 either way."""
+    distribution at `temperature` (logits / T: the distribution rollouts sampled from), and, with `entropy`,
+    the entropy of that same distribution at each position, from the same forward pass (else zeros).
+    `autocast`: the forward pass computes in bf16 (torch.autocast) while the weights, and so the optimizer,
+    stay fp32; the log-softmax is taken in fp32 either way."""
     T = batch.completion_width
     device = batch.input_ids.device.type
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
@@ -197,4 +223,12 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float
     logits = out.logits[:, :-1, :].float()  # position i predicts token i + 1: the last T targets
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    return Scores(logp, token_entropy(logp_all) if entropy else torch.zeros_like(logp, requires_grad=False))
+
+
+def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
+                        autocast: bool = False) -> torch.Tensor:
+    """completion_scores' log-probabilities alone [B, T] (no entropy computed)."""
+    return completion_scores(model, batch, temperature, autocast, entropy=False).logp

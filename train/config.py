@@ -17,6 +17,7 @@ from lightning_otel.serve.prompts import load_patches
 from lightning_otel.serve.toolcalls import FORMATS
 from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
 from lightning_otel.train.settings import load_settings, render_toml
+from lightning_otel.train.trackers import tracker_names
 from lightning_otel.train.transitions.credit import ADVANTAGES, advantage_name
 
 log = logging.getLogger(__name__)
@@ -110,12 +111,18 @@ class TrainConfig:
     val_tasks: str = ""               # JSONL tasks scored once before the first round and every val_every rounds
     val_every: int = 1
     val_temperature: float = 0.0      # sampling temperature of validation rollouts (0: greedy)
+    # where the metrics go besides metrics.jsonl and steps.jsonl (train/trackers.py)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, wandb, mlflow;
+                                      # [] or ["none"]: none
+    tracker_project: str = "lightning-otel"  # the W&B project / MLflow experiment
+    tracker_run_name: str = ""        # the tracker run's name (empty: the run folder's name)
     # keys of the previous release, accepted for this one with a deprecation message (see DEPRECATED)
     kl: float | None = None
     agent_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         self._take_deprecated_keys()
+        self.report_to = tracker_names(self.report_to)
         calls = 1 if isinstance(self.sft_label, str) else len(self.sft_label or [])
         checks = [
             (self.n >= 1, f"n = {self.n}: samples per task must be at least 1 (GRPO needs n >= 2 for groups)"),

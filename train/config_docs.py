@@ -111,6 +111,12 @@ HELP: dict[str, str] = {
     "val_tasks": "JSONL tasks scored once before the first round and every `val_every` rounds.",
     "val_every": "Rounds between two validations.",
     "val_temperature": "Sampling temperature of validation rollouts (0: greedy).",
+    # trackers
+    "report_to": "Where the metrics go besides `metrics.jsonl` and `steps.jsonl`: any of `tensorboard`, `wandb`, "
+                 "`mlflow` (`[]` or `[\"none\"]`: none). W&B and MLflow need "
+                 "`pip install 'lightning-otel[trackers]'` (see Metrics and trackers).",
+    "tracker_project": "The W&B project and the MLflow experiment the run logs to.",
+    "tracker_run_name": "The W&B / MLflow run's name (empty: the run folder's name).",
     "kl": "Deprecated (goes in the next release): `kl_loss`, or `kl_reward` with `advantage = reinforce-pp`.",
     "agent_timeout_s": "Deprecated (goes in the next release): `rollout_timeout_s`.",
 }

@@ -23,7 +23,7 @@ import torch
 
 from lightning_otel.serve.engine import native_bf16
 from lightning_otel.train import distributed
-from lightning_otel.train.batch import Batch, completion_logprobs
+from lightning_otel.train.batch import Batch, Scores, completion_logprobs, completion_scores
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.distributed import collective
 
@@ -127,11 +127,23 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps this run has taken (kept across resumes: it is saved with the state)."""
+        return int(self.engine.global_steps)
+
     def train_mode(self, on: bool) -> None:
         self.engine.train(on)
 
     def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         return completion_logprobs(self.engine, batch, temperature, self.config.autocast)
+
+    def scores(self, batch: Batch, temperature: float = 1.0) -> Scores:
+        """logprobs(), and the policy's entropy at each completion position from the same forward pass."""
+        return completion_scores(self.engine, batch, temperature, self.config.autocast)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
@@ -188,11 +200,14 @@ class Learner:
         """Parameters and, with `optimizer`, the optimizer's moments and step counts from a save_state folder.
         Without it the weights alone are loaded (DeepSpeed refreshes its fp32 copies from them) and the
         optimizer starts fresh: what a new phase wants, e.g. GRPO after an SFT warm start."""
-        path, _ = self.engine.load_checkpoint(str(folder), tag="state", load_module_only=not optimizer)
+        path, rest = self.engine.load_checkpoint(str(folder), tag="state", load_module_only=not optimizer)
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint in {folder}")
         if not optimizer:
             self._forget_moments()
+            # DeepSpeed restores its step count only with the optimizer; the run's count goes on either way (the
+            # x axis of the step metrics, train/trackers.py), as it does when GRPO follows SFT in one process.
+            self.engine.global_steps = int(rest.get("global_steps", self.engine.global_steps))
 
     @collective
     def fresh_optimizer(self) -> None:

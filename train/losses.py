@@ -75,10 +75,22 @@ def token_weights(mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 @dataclass
 class LossOutput:
     loss: torch.Tensor        # scalar, differentiable
-    kl: float                 # weighted mean k3 KL (0 without a reference)
+    kl: float                 # weighted mean k3 KL to the reference (0 without a KL term)
     clip_fraction: float      # fraction of trained tokens whose gradient the clipping removed
     ratio_mean: float
     logprob_gap: float = 0.0  # mean |logp - old_logp| over trained tokens: learner vs sampler disagreement
+    # Weighted like the loss (the token weights sum to 1 over a step, so micro-batches' parts add up to the step's):
+    entropy: float | None = None    # entropy of the policy's next-token distribution (None: not computed)
+    approx_kl: float | None = None  # k3 estimate of KL(old || current), the sampler's tokens (None: not a ratio loss)
+    has_kl: bool = False            # the loss has the k3 KL-to-reference term (`kl` is its value)
+
+
+def weighted(values: torch.Tensor | None, weights: torch.Tensor) -> float | None:
+    """sum(values * weights) over the weighted positions (values elsewhere, padding included, are not read)."""
+    if values is None:
+        return None
+    with torch.no_grad():
+        return float(torch.where(weights > 0, values.detach() * weights, torch.zeros_like(weights)).sum())
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -87,9 +99,11 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
-              clip: float = 0.2, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None) -> LossOutput:
+              clip: float = 0.2, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
+              entropy: torch.Tensor | None = None) -> LossOutput:
     """The clipped GRPO objective weighted by `weights` (token_weights of an AGGREGATIONS scale); `advantages`
-    [B] (one per sample) or [B, T] (one per token)."""
+    [B] (one per sample) or [B, T] (one per token). `entropy` [B, T] (no grad), when given, is reported weighted
+    like the loss; so is approx_kl = (ratio - 1) - log ratio, the k3 estimate of KL(old || current)."""
     ratio = torch.exp(logp - old_logp)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv)
@@ -106,12 +120,16 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         clip_fraction = float(clipped.sum() / count)
         ratio_mean = float((ratio * trained).sum() / count)
         gap = float(((logp - old_logp).abs() * trained).sum() / count)
-    return LossOutput((per_token * weights).sum(), kl_value, clip_fraction, ratio_mean, gap)
+        log_ratio = logp - old_logp
+        approx_kl = weighted(torch.exp(log_ratio) - 1.0 - log_ratio, weights)
+    return LossOutput((per_token * weights).sum(), kl_value, clip_fraction, ratio_mean, gap,
+                      entropy=weighted(entropy, weights), approx_kl=approx_kl,
+                      has_kl=bool(kl_coef and ref_logp is not None))
 
 
-def sft_loss(logp: torch.Tensor, weights: torch.Tensor) -> LossOutput:
+def sft_loss(logp: torch.Tensor, weights: torch.Tensor, entropy: torch.Tensor | None = None) -> LossOutput:
     """Negative log-likelihood of the target tokens, weighted like the GRPO loss."""
-    return LossOutput(-(logp * weights).sum(), 0.0, 0.0, 1.0)
+    return LossOutput(-(logp * weights).sum(), 0.0, 0.0, 1.0, entropy=weighted(entropy, weights))
 
 
 def kl_penalised_returns(old_logp: torch.Tensor, ref_logp: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -1,16 +1,20 @@
-"""Per-round metrics: one JSON line each in metrics.jsonl, TensorBoard scalars, and reward_curve.png."""
+"""A run's metrics: one JSON line per round record in metrics.jsonl and per optimizer step in steps.jsonl, the
+same figures in the trackers `report_to` names (train/trackers.py), and reward_curve.png."""
 from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Callable
+
+from lightning_otel.train.config import TrainConfig
+from lightning_otel.train.trackers import ROUND_AXIS, STEP_AXIS, Trackers, open_trackers
 
 log = logging.getLogger(__name__)
 SHOWN = ("reward_mean", "success_rate", "transitions_per_episode", "loss", "kl", "clip_fraction",
          "first_ratio_mean", "zero_variance_groups", "rollout_seconds", "train_seconds", "val_reward_mean",
          "val_accuracy", "pool_tasks", "pool_kept", "pool_never", "pool_always")
+STEP_PREFIX = "train/"  # the step series' names in the trackers; round records use "<phase>/"
 
 
 def format_record(record: dict) -> str:
@@ -23,39 +27,45 @@ def format_record(record: dict) -> str:
 
 
 class MetricsLog:
-    def __init__(self, folder: Path, echo: Callable[[str], None] | None = None):
+    def __init__(self, folder: Path, echo: Callable[[str], None] | None = None, trackers: Trackers | None = None):
         self.folder = Path(folder)
         self.path = self.folder / "metrics.jsonl"
+        self.steps_path = self.folder / "steps.jsonl"
         self.echo = echo or log.info
-        self._writer = None
-
-    def _tensorboard(self):
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(str(self.folder / "tensorboard"))
-        return self._writer
+        self.trackers = trackers or Trackers({})
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as out:
             out.write(json.dumps(record) + "\n")
-        writer = self._tensorboard()
-        step = int(record.get("round") or 0)
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                writer.add_scalar(f"{record.get('phase', 'train')}/{key}", value, step)
-        writer.flush()
+        phase = record.get("phase", "train")
+        self.trackers.log({f"{phase}/{key}": value for key, value in record.items()}, ROUND_AXIS,
+                          int(record.get("round") or 0))
         plot_rewards(self.records(), self.folder / "reward_curve.png")
         self.echo(format_record(record))
+
+    def write_step(self, step: int, metrics: dict[str, float]) -> None:
+        """One optimizer step's metrics (train/optimize.py), `step` = the run's optimizer steps so far."""
+        with self.steps_path.open("a") as out:
+            out.write(json.dumps({STEP_AXIS: step, **metrics}) + "\n")
+        self.trackers.log({STEP_PREFIX + key: value for key, value in metrics.items()}, STEP_AXIS, step)
 
     def records(self) -> list[dict]:
         if not self.path.is_file():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+    def close(self, failed: bool = False) -> None:
+        self.trackers.close(failed)
+
+
+def open_metrics(config: TrainConfig, folder: Path, resume: bool = False) -> MetricsLog:
+    """The run's MetricsLog with the trackers config.report_to names; `resume`: the folder's run goes on, and so
+    do its tracker runs."""
+    from dataclasses import asdict
+
+    trackers = open_trackers(config.report_to, Path(folder), asdict(config), config.tracker_project,
+                             config.tracker_run_name, resume)
+    return MetricsLog(folder, trackers=trackers)
 
 
 def plot_rewards(records: list[dict], out: Path) -> Path | None:

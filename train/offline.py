@@ -22,7 +22,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.serve.hub import recorded_model
 from lightning_otel.span_store import client
 from lightning_otel.train.config import TrainConfig, render_toml
-from lightning_otel.train.metrics import MetricsLog
+from lightning_otel.train.metrics import open_metrics
 from lightning_otel.train.optimize import optimize
 from lightning_otel.train.run import RunFolder, RunState
 from lightning_otel.train.sft import sft_rows_from_successes
@@ -79,11 +79,14 @@ def train_offline(config: TrainConfig, db: Path, where: str | None = None, objec
     config.save(folder.path / "config.toml")
     log.info("offline train config:\n%s", render_toml(config))
     learner = Learner(model_dir, config)
+    metrics = None
     try:
+        metrics = open_metrics(config, folder.path)
         if objective == "sft":
             learner.set_lr(config.sft_lr)
         stats = optimize(learner, rows, config, objective, seed=config.seed, epochs=config.epochs,
-                         progress=(lambda d, t: progress(f"offline {objective}", d, t)) if progress else None)
+                         progress=(lambda d, t: progress(f"offline {objective}", d, t)) if progress else None,
+                         on_step=metrics.write_step)
         checkpoint = folder.checkpoint("offline")
         learner.save_policy(checkpoint)
         (checkpoint / "policy.json").write_text('{"policy_version": 1}')
@@ -91,11 +94,13 @@ def train_offline(config: TrainConfig, db: Path, where: str | None = None, objec
                          best="checkpoints/offline", sft_done=objective == "sft", config=asdict(config),
                          offline={"db": str(db), "where": where, "objective": objective, "min_reward": min_reward})
         folder.save(state)
-        metrics = MetricsLog(folder.path)
         metrics.write({"round": 1, "phase": f"offline-{objective}", "transitions": len(rows),
                        "rollouts": len({r["rollout_id"] for r in rows}), "excluded": dict(account.excluded),
                        "zero_variance_groups": account.zero_variance_groups, **stats.summary()})
         metrics.close()
+        metrics = None
         return state
     finally:
+        if metrics is not None:  # an error on the way: the tracker runs end as failed
+            metrics.close(failed=True)
         learner.close()

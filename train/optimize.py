@@ -46,6 +46,8 @@ class StepStats:
     clip_fraction: list[float] = field(default_factory=list)
     ratio_mean: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)  # each step's gradient norm before clipping
+    entropy: list[float] = field(default_factory=list)    # each step's policy entropy, weighted like the loss
+    approx_kl: list[float] = field(default_factory=list)  # each step's k3 KL(old || current) (ratio losses)
     ranks: int = 1  # processes the steps ran on (train/distributed.py)
     reward_kl: float | None = None  # token-level advantages with kl_reward > 0: mean old_logp - ref_logp over the pass
     # The first micro-batch runs before any update of the pass: its policy is the one that sampled, so its ratio
@@ -61,7 +63,8 @@ class StepStats:
                 f"{prefix}trained_tokens": self.trained_tokens, f"{prefix}skipped_too_long": self.skipped_too_long,
                 f"{prefix}loss": mean(self.loss), f"{prefix}kl": mean(self.kl),
                 f"{prefix}clip_fraction": mean(self.clip_fraction), f"{prefix}ratio_mean": mean(self.ratio_mean),
-                f"{prefix}grad_norm": mean(self.grad_norm), f"{prefix}ranks": self.ranks,
+                f"{prefix}grad_norm": mean(self.grad_norm), f"{prefix}entropy": mean(self.entropy),
+                f"{prefix}approx_kl": mean(self.approx_kl), f"{prefix}ranks": self.ranks,
                 f"{prefix}reward_kl": self.reward_kl,
                 f"{prefix}first_ratio_mean": self.first.ratio_mean if self.first else None,
                 f"{prefix}first_clip_fraction": self.first.clip_fraction if self.first else None,
@@ -71,19 +74,23 @@ class StepStats:
 
 
 Loss = Callable[[Learner, Batch, torch.Tensor, TrainConfig], LossOutput]
+StepCallback = Callable[[int, dict[str, float]], None]  # (optimizer steps of the run so far, the step's metrics)
 
 
 def grpo_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
     # The policy is the distribution rollouts sampled from: logits / temperature (the engine records the
     # logprobs of that same distribution). SFT below stays at temperature 1.
-    logp = learner.logprobs(batch, config.temperature)
+    scores = learner.scores(batch, config.temperature)  # the entropy comes from this same forward pass
+    logp = scores.logp
     old = torch.where(torch.isnan(batch.old_logp), logp.detach(), batch.old_logp)
     ref = learner.reference_logprobs(batch, config.temperature) if config.kl_loss else None
-    return grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl_loss, ref_logp=ref)
+    return grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl_loss, ref_logp=ref,
+                     entropy=scores.entropy)
 
 
 def sft_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
-    return sft_loss(learner.logprobs(batch), weights)
+    scores = learner.scores(batch)
+    return sft_loss(scores.logp, weights, scores.entropy)
 
 
 def with_token_advantages(learner: Learner, rows: list[Transition], config: TrainConfig,
@@ -169,11 +176,14 @@ def epoch_order(rows: list[Transition], rng: random.Random,
 
 
 def optimize(learner: Learner, rows: list[Transition], config: TrainConfig, objective: str, seed: int,
-             epochs: int = 1, progress: Callable[[int, int], None] | None = None, start_step: int = 0) -> StepStats:
+             epochs: int = 1, progress: Callable[[int, int], None] | None = None, start_step: int = 0,
+             on_step: StepCallback | None = None) -> StepStats:
     """Run `epochs` shuffled passes of optimizer steps over `rows` (transition dicts). `start_step` skips the
     first steps of that same order (the learner's state was saved after them); `progress(step, total)` follows
-    every step, counted from the first. With several ranks, rank 0's call is made by all of them
-    (train/distributed.py) and each runs its share of every step's micro-batches."""
+    every step, counted from the first; `on_step(optimizer_steps, metrics)` gets each step's metrics (see
+    _step) with the run's optimizer step count after it. With several ranks, rank 0's call is made by all of
+    them (train/distributed.py) and each runs its share of every step's micro-batches; only rank 0's on_step
+    is called, with figures over all ranks."""
     distributed.announce("optimize", {"rows": rows, "config": config, "objective": objective, "seed": seed,
                                       "epochs": epochs, "start_step": start_step})
     chosen = OBJECTIVES[objective]
@@ -197,14 +207,20 @@ def optimize(learner: Learner, rows: list[Transition], config: TrainConfig, obje
             step += 1
             if step <= start_step:
                 continue
-            _step(learner, shuffled[start:start + config.batch_size], config, chosen.loss, stats)
+            metrics = _step(learner, shuffled[start:start + config.batch_size], config, chosen.loss, stats)
+            if on_step:
+                on_step(learner.optimizer_steps, metrics)
             if progress:
                 progress(step, total)
     stats.seconds = time.perf_counter() - started
     return stats
 
 
-def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn: Loss, stats: StepStats) -> None:
+def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn: Loss,
+          stats: StepStats) -> dict[str, float]:
+    """One optimizer step. Returns its metrics over all ranks: loss, lr, grad_norm (when DeepSpeed computed it),
+    entropy (weighted like the loss), and for ratio losses approx_kl (weighted like the loss), clip_fraction
+    (mean over the step's micro-batches) and, with a KL term, kl (to the reference, weighted like the loss)."""
     rollout_index: dict[str, int] = {}
     full = collate(rows, learner.pad_id, rollout_index)
     scale = AGGREGATIONS[config.aggregation](full.mask.sum(dim=1), full.rollout)
@@ -216,7 +232,9 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
     rank, world = learner.rank, learner.world
     mine = plans[rank::world]
     count = math.ceil(len(plans) / world)
-    total = kl = 0.0
+    total = kl = entropy = approx_kl = clipped = 0.0
+    parts_seen = 0
+    has_kl = ratio_loss = False
     for i in range(count):
         real = i < len(mine)
         indices, prefix_len = mine[i] if real else plans[0]
@@ -228,17 +246,31 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
             continue
         total += float(out.loss.detach())  # weights sum to 1 over the step: the parts add up
         kl += out.kl
+        entropy += out.entropy or 0.0
+        approx_kl += out.approx_kl or 0.0
+        clipped += out.clip_fraction
+        parts_seen += 1
+        has_kl, ratio_loss = has_kl or out.has_kl, ratio_loss or out.approx_kl is not None
         stats.clip_fraction.append(out.clip_fraction)
         stats.ratio_mean.append(out.ratio_mean)
         stats.first = stats.first or replace(out, loss=out.loss.detach())
-    if world > 1:  # the step's loss and KL: the sum of every rank's parts
-        parts = torch.tensor([total, kl], dtype=torch.float64)
+    if world > 1:  # the step's figures: the sum of every rank's parts
+        parts = torch.tensor([total, kl, entropy, approx_kl, clipped, parts_seen], dtype=torch.float64)
         torch.distributed.all_reduce(parts)
-        total, kl = float(parts[0]), float(parts[1])
+        total, kl, entropy, approx_kl, clipped, parts_seen = (float(x) for x in parts)
+    metrics = {"loss": total, "lr": learner.learning_rate(), "entropy": entropy}
     if (norm := learner.grad_norm()) is not None:
         stats.grad_norm.append(norm)
+        metrics["grad_norm"] = norm
+    if ratio_loss:
+        metrics |= {"approx_kl": approx_kl, "clip_fraction": clipped / max(parts_seen, 1)}
+        stats.approx_kl.append(approx_kl)
+    if has_kl:
+        metrics["kl"] = kl
     stats.loss.append(total)
     stats.kl.append(kl)
+    stats.entropy.append(entropy)
     stats.steps += 1
     stats.samples += len(rows)
     stats.trained_tokens += int(full.mask.sum())
+    return metrics

@@ -17,7 +17,8 @@ from lightning_otel.errors import UserError
 # Keys that may differ when a run is resumed: they change how it runs, not what it trains.
 RESUMABLE_CHANGES = {"rounds", "val_every", "concurrency", "rollout_timeout_s", "engine_python", "engine_url",
                      "share_prefix", "micro_batch_tokens", "sft_save_tasks", "sft_save_steps",
-                     "group_steps"}  # the order of a round's steps only
+                     "group_steps",  # the order of a round's steps only
+                     "report_to", "tracker_project", "tracker_run_name"}  # where the metrics go
 
 
 @dataclass

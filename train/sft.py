@@ -151,7 +151,7 @@ def warm_start(trainer) -> dict:
             save_partial(trainer, rows, step)
 
     stats = optimize(trainer.learner, rows, c, "sft", seed=c.seed, epochs=c.sft_epochs, progress=after_step,
-                     start_step=resumed)
+                     start_step=resumed, on_step=trainer.metrics.write_step)
     trainer.learner.set_lr(c.lr)
     return {"sft_examples": len(rows), "sft_short": short, "sft_walked_earlier": earlier,
             "sft_resumed_at_step": resumed, "rollout_seconds": prompt_seconds,

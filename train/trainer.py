@@ -10,10 +10,10 @@ the engine as policy version r. An optional SFT warm start runs before round 1 (
 
 The run folder: config.toml (resolved config), run.json (progress: rounds completed, last and best
 checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
-tensorboard/, reward_curve.png, traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model,
-state}, pool.jsonl (with pool_min_pass / pool_max_pass: every task's pass rate under the starting policy and
-whether the rounds use it); while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*;
-train/sft.py).
+steps.jsonl, the trackers' folders (tensorboard/, wandb/, mlruns/; trackers.json), reward_curve.png,
+traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model, state}, pool.jsonl (with
+pool_min_pass / pool_max_pass: every task's pass rate under the starting policy and whether the rounds use it);
+while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*; train/sft.py).
 Randomness is derived from (seed, round), so a resumed round draws the same tasks and batch order.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.hub import parse_hub_id, recorded_model
 from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
-from lightning_otel.train.metrics import MetricsLog
+from lightning_otel.train.metrics import open_metrics
 from lightning_otel.train.pool import kept_tasks, pass_rates, pool_record, round_tasks
 from lightning_otel.train.optimize import optimize
 from lightning_otel.train.run import RunFolder, RunState, check_resume, write_atomically
@@ -80,6 +80,13 @@ class Trainer:
         self.db = self.folder.path / "traces.duckdb"
 
     def __enter__(self) -> "Trainer":
+        try:
+            return self._open()
+        except BaseException as exc:  # what was started so far (the collector, the tracker runs) stops
+            self._stack.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    def _open(self) -> "Trainer":
         from lightning_otel.serve.engine import default_engine_python
         from lightning_otel.serve.model import resolve_model
         from lightning_otel.span_store.collector import Collector, private_config
@@ -96,6 +103,9 @@ class Trainer:
         self.collector = collector = Collector(private_config(self.db))  # agents get its ingest token only
         collector.start()
         self._stack.callback(collector.close)
+        # Before the learner: a tracker that cannot start (no W&B login) stops the run in seconds.
+        self.metrics = open_metrics(c, self.folder.path, resume=self.state is not None)
+        self._stack.push(lambda kind, *_: self.metrics.close(failed=kind is not None))  # the tracker runs' status
         self.learner = Learner(self.model_dir, c)
         self._stack.callback(self.learner.close)
         if self.state is not None and self.state.last:
@@ -104,12 +114,10 @@ class Trainer:
             self.learner.load_state(self.folder.path / self.state.last / "state", optimizer=not grpo_starts)
             log.info("resuming after %s (round %d of %d)", self.state.last, self.state.rounds_completed,
                      c.rounds)
-        self.metrics = MetricsLog(self.folder.path)
-        self._stack.callback(self.metrics.close)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
+        self._stack.__exit__(*exc)  # with the exception, if any: the tracker runs end as failed
 
     # ---- the engine ------------------------------------------------------------------------------------
 
@@ -273,7 +281,8 @@ class Trainer:
             agents=c.agents or None, merge_turns=c.merge_turns, rollout_ids=ids))
         rows = frame.to_dicts()
         stats = optimize(self.learner, rows, c, "grpo", seed=c.seed * 100_003 + r, epochs=c.epochs,
-                         progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done, total))
+                         progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done, total),
+                         on_step=self.metrics.write_step)
         self.engine.wake()
         no_step = None if stats.steps else (
             account.why_none(c.reward) if not rows
