@@ -5,14 +5,10 @@ in the ways endpoints do (down, busy, refusing, hanging), and a real Phoenix (`p
 from __future__ import annotations
 
 import gzip
-import json
-import os
-import signal
 import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,9 +20,8 @@ from lightning_otel.span_store import client
 from lightning_otel.span_store.forwarding import ForwardConfig, parse_headers
 from lightning_otel.span_store.tour import sample_requests
 from tests.conftest import REPO, health, post
+from tests.helpers.phoenix import running_phoenix, wait_for
 from tests.helpers.sdk import chat_span, tracer_provider
-
-PHOENIX = REPO / ".venv-phoenix" / "bin" / "phoenix"
 
 
 class Endpoint:
@@ -93,16 +88,6 @@ def send_spans(url: str, n: int, rollout_id: str = "ro-fwd") -> None:
 
 def stored(db: Path) -> int:
     return client.query("SELECT count(*) AS n FROM spans", db)["n"][0]
-
-
-def wait_for(check, timeout: float = 30.0, detail=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s {detail()}")
 
 
 def test_every_committed_body_reaches_another_collector(make_collector, tmp_path):
@@ -212,37 +197,10 @@ def test_forward_flags_parse_and_the_url_base_is_kept():
     assert result.returncode != 0 and "--forward-header is for --forward" in result.stderr
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def phoenix_spans(url: str) -> list[dict]:
-    spans, cursor = [], None
-    while True:
-        query = f"{url}/v1/projects/default/spans?limit=1000" + (f"&cursor={cursor}" if cursor else "")
-        with urllib.request.urlopen(query, timeout=30) as response:
-            page = json.loads(response.read())
-        spans += page["data"]
-        cursor = page.get("next_cursor")
-        if not cursor:
-            return spans
-
-
 @pytest.mark.heavy
 def test_recorded_rollouts_reach_a_real_phoenix_and_killing_it_loses_no_local_span(collector_process, tmp_path):
-    assert PHOENIX.is_file(), f"{PHOENIX} is missing: `make phoenix` builds it (`make test` does)"
-    port = free_port()
-    env = {**os.environ, "PHOENIX_PORT": str(port), "PHOENIX_GRPC_PORT": str(free_port()),
-           "PHOENIX_HOST": "127.0.0.1", "PHOENIX_WORKING_DIR": str(tmp_path / "phoenix"),
-           "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false", "PHOENIX_TELEMETRY_ENABLED": "false"}
-    phoenix = subprocess.Popen([str(PHOENIX), "serve"], env=env, stdout=open(tmp_path / "phoenix.log", "wb"),
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _healthy(url), timeout=180)
-        collector = collector_process("--forward", url, "--forward-retry-s", "600")
+    with running_phoenix(tmp_path) as phoenix:
+        collector = collector_process("--forward", phoenix.url, "--forward-retry-s", "600")
         # The recorded traces of real agents (LangGraph, CrewAI, AutoGen, the OpenAI SDK), as they came.
         traces = [(p, b) for p, b in sample_requests() if p == "/v1/traces"]
         for path, body in traces:
@@ -250,28 +208,15 @@ def test_recorded_rollouts_reach_a_real_phoenix_and_killing_it_loses_no_local_sp
         local = stored(collector.db)
         wait_for(lambda: health(collector.url)["forwarding"]["sent"] == len(traces), timeout=60,
                  detail=lambda: health(collector.url)["forwarding"])
-        spans = wait_for(lambda: (s := phoenix_spans(url)) and len(s) == local and s, timeout=60,
-                         detail=lambda: f"{len(phoenix_spans(url))} of {local} spans in Phoenix")
+        spans = wait_for(lambda: (s := phoenix.spans()) and len(s) == local and s, timeout=60,
+                         detail=lambda: f"{len(phoenix.spans())} of {local} spans in Phoenix")
         mine = client.query("SELECT span_id FROM spans", collector.db)["span_id"].to_list()
         assert sorted(s["context"]["span_id"] for s in spans) == sorted(mine)
 
-        os.killpg(phoenix.pid, signal.SIGKILL)  # Phoenix dies mid-run; the agents go on sending
-        phoenix.wait(30)
+        phoenix.kill()  # Phoenix dies mid-run; the agents go on sending
         send_spans(collector.url, 5, rollout_id="ro-after-phoenix")
         assert stored(collector.db) == local + 5
         stats = wait_for(lambda: (s := health(collector.url)["forwarding"])["retries"] >= 1 and s)
         assert stats["sent"] == len(traces) and stats["queued"] >= 1
         assert collector.stop() == 0
         assert stored(collector.db) == local + 5
-    finally:
-        if phoenix.poll() is None:
-            os.killpg(phoenix.pid, signal.SIGKILL)
-            phoenix.wait(30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False

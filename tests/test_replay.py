@@ -3,9 +3,6 @@ with reward, advantage and policy version added. The endpoints are real: a secon
 (its store must then hold the same spans), small HTTP servers that fail the way endpoints do, and a real Phoenix."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,7 +17,7 @@ from lightning_otel.span_store.replay import ReplayConfig, replay
 from lightning_otel.span_store.tour import sample_requests
 from tests.conftest import post
 from tests.helpers.rollout_store import store_rollouts
-from tests.test_forwarding import PHOENIX, _healthy, free_port, phoenix_spans, wait_for
+from tests.helpers.phoenix import running_phoenix, wait_for
 
 ADDED = ("lightning.reward", "lightning.advantage", "lightning.policy.version")
 # A request with the values the SDK never makes: a key-value list, bytes, an empty value, a double that is whole,
@@ -214,19 +211,10 @@ def test_the_cli_exports_with_headers_and_refuses_what_does_not_fit(first, make_
 
 @pytest.mark.heavy
 def test_a_replayed_rollout_carries_its_reward_in_a_real_phoenix(first, tmp_path):
-    assert PHOENIX.is_file(), f"{PHOENIX} is missing: `make phoenix` builds it (`make test` does)"
-    port = free_port()
-    env = {**os.environ, "PHOENIX_PORT": str(port), "PHOENIX_GRPC_PORT": str(free_port()),
-           "PHOENIX_HOST": "127.0.0.1", "PHOENIX_WORKING_DIR": str(tmp_path / "phoenix"),
-           "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false", "PHOENIX_TELEMETRY_ENABLED": "false"}
-    phoenix = subprocess.Popen([str(PHOENIX), "serve"], env=env, stdout=open(tmp_path / "phoenix.log", "wb"),
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _healthy(url), timeout=180)
-        report = replay(ReplayConfig(db=first.db, url=url, where="task_id = 't1'", reward="exec"))
-        spans = wait_for(lambda: (s := phoenix_spans(url)) and len(s) == report.spans and s, timeout=60,
-                         detail=lambda: f"{len(phoenix_spans(url))} of {report.spans} spans in Phoenix")
+    with running_phoenix(tmp_path) as phoenix:
+        report = replay(ReplayConfig(db=first.db, url=phoenix.url, where="task_id = 't1'", reward="exec"))
+        spans = wait_for(lambda: (s := phoenix.spans()) and len(s) == report.spans and s, timeout=60,
+                         detail=lambda: f"{len(phoenix.spans())} of {report.spans} spans in Phoenix")
         mine = spans_of(first.db, "task_id = 't1'")
         assert sorted(s["context"]["span_id"] for s in spans) == sorted(span for _, span in mine)
         chat = [s for s in spans if s["name"] == "openai.chat"]
@@ -237,10 +225,6 @@ def test_a_replayed_rollout_carries_its_reward_in_a_real_phoenix(first, tmp_path
             assert attributes["lightning.reward"] == ROLLOUTS[rollout][1]
             assert attributes["lightning.policy.version"] == 3
             assert (attributes["lightning.advantage"] > 0) == (rollout == "r1")
-    finally:
-        if phoenix.poll() is None:
-            os.killpg(phoenix.pid, signal.SIGKILL)
-            phoenix.wait(30)
 
 
 def test_which_reward_is_lightning_reward():

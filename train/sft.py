@@ -31,11 +31,10 @@ from pathlib import Path
 import polars as pl
 
 from lightning_otel.errors import UserError
-from lightning_otel.rollouts.runner import Task, check_templates, format_answer, load_tasks
+from lightning_otel.rollouts.runner import Task, check_templates, format_answer, load_tasks, write_tasks
 from lightning_otel.span_store import client
 from lightning_otel.train.optimize import optimize
 from lightning_otel.train.run import write_atomically
-from lightning_otel.train.trainer import write_tasks
 from lightning_otel.train.transitions.record import Transition
 
 log = logging.getLogger(__name__)

@@ -31,25 +31,19 @@ import torch
 
 from lightning_otel.errors import UserError
 from lightning_otel.rollouts.packs import pack_for_reward
-from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts
+from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts, write_tasks
 from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.hub import parse_hub_id, recorded_model
 from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import open_metrics
-from lightning_otel.train.pool import kept_tasks, pass_rates, pool_record, round_tasks
 from lightning_otel.train.optimize import optimize
+from lightning_otel.train.pool import kept_tasks, pass_rates, pool_record, round_tasks
 from lightning_otel.train.run import RunFolder, RunState, check_resume, write_atomically
 from lightning_otel.train.transitions.compile import CompileConfig, compile_transitions
 
 log = logging.getLogger(__name__)
 
-
-
-def write_tasks(tasks: list[Task], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({**t.fields, "id": t.task_id}) + "\n" for t in tasks))
-    return path
 
 
 class Trainer:

@@ -182,6 +182,13 @@ class RolloutSummary:
         return [r.reward for r in self.results if r.reward is not None]
 
 
+def write_tasks(tasks: list[Task], path: Path) -> Path:
+    """Write tasks as a JSONL task file that load_tasks reads back (each row with its id)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({**t.fields, "id": t.task_id}) + "\n" for t in tasks))
+    return path
+
+
 def load_tasks(path: Path) -> list[Task]:
     """Read a JSONL task file; any bad line is an error naming its number."""
     if not path.is_file():

@@ -12,20 +12,12 @@ from pathlib import Path
 from typing import Callable
 
 from lightning_otel.rollouts.packs import pack_for_reward
-from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, Task, run_rollouts
+from lightning_otel.rollouts.runner import RolloutConfig, RolloutResult, Task, run_rollouts, write_tasks
 from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.train.apo.config import OptimizeConfig
 from lightning_otel.train.apo.evaluation import TaskResult, score_of
 
 log = logging.getLogger(__name__)
-
-
-def write_tasks(tasks: list[Task], path: Path) -> Path:
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({**t.fields, "id": t.task_id}) + "\n" for t in tasks))
-    return path
 
 
 class Session:
@@ -121,4 +113,4 @@ class Session:
         return f"{engine.url}/v1", engine.model_name  # type: ignore[attr-defined]
 
 
-__all__ = ["Session", "write_tasks"]
+__all__ = ["Session"]
