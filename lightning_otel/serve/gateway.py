@@ -91,7 +91,10 @@ class GatewayConfig:
     # pass chat_tools.template_tools(model_dir, chat_template).native.
     native_tools: bool | None = None
     max_body_bytes: int = 16 * 1024 * 1024
-    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow clients
+    # Slow clients, and open connections: every rollout of a run holds one while its call waits on the engine, and
+    # a GPU engine batches hundreds of sequences, so the gateway takes 1024 (the collector's default is 256);
+    # 256 clients measured against 256 connections got a 503 (benchmarks/RESULTS.md, gateway load sweep).
+    connection_limits: ConnectionLimits = field(default_factory=lambda: ConnectionLimits(max_connections=1024))
     # The longest one write of an answer (an SSE event, a JSON body) may wait for the client to read: a client
     # that stops reading its stream gives its connection back after this, instead of holding it forever.
     send_timeout_s: float = 30.0
