@@ -37,6 +37,9 @@ class Batch:
     rollout: torch.Tensor        # [B] long, index of the sample's rollout within the step
     prefix_ids: torch.Tensor | None = None  # [1, P] long: tokens every sample starts with, run once
     # With a prefix, input_ids and positions hold the tails only; attention covers prefix + tails: [B, P + L].
+    completion_len: torch.Tensor | None = None  # [B] long, completion tokens of each sample
+    old_values: torch.Tensor | None = None      # [B] float, the critic's values before the pass (PPO), else None
+    value_targets: torch.Tensor | None = None   # [B] float, the critic's targets R_t (PPO), else None
 
     @property
     def completion_width(self) -> int:
@@ -92,7 +95,13 @@ def collate(rows: list[Transition], pad_id: int, rollout_index: dict[str, int] |
         advantages = per_token
     rollout = torch.tensor([rollout_index.setdefault(r.get("rollout_id") or str(i), len(rollout_index))
                             for i, r in enumerate(rows)], dtype=torch.long)
-    return Batch(input_ids, attention, positions, targets, mask, old_logp, advantages, rollout, prefix_ids)
+    completion_len = torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.long)
+    old_values = value_targets = None
+    if all(r.get("value_old") is not None and r.get("value_target") is not None for r in rows):
+        old_values = torch.tensor([float(r["value_old"]) for r in rows], dtype=torch.float)
+        value_targets = torch.tensor([float(r["value_target"]) for r in rows], dtype=torch.float)
+    return Batch(input_ids, attention, positions, targets, mask, old_logp, advantages, rollout, prefix_ids,
+                 completion_len, old_values, value_targets)
 
 
 def common_prefix(a, b, limit: int | None = None) -> int:
@@ -185,16 +194,51 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float
     distribution at `temperature` (logits / T: the distribution rollouts sampled from). `autocast`: the forward
     pass computes in bf16 (torch.autocast) while the weights, and so the optimizer, stay fp32; the log-softmax
     is taken in fp32 either way."""
+    return _completion_forward(model, batch, temperature, autocast, states=False)[0]
+
+
+def completion_logprobs_and_states(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
+                                   autocast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """completion_logprobs, and from the same forward pass the model's final hidden state (the input of its
+    output layer) at each sample's last prompt token: [B, H], the state its completion started from. Causal
+    attention: the completion does not change it."""
+    logp, states = _completion_forward(model, batch, temperature, autocast, states=True)
+    return logp, states
+
+
+def prompt_states(hidden: torch.Tensor, completion_len: torch.Tensor) -> torch.Tensor:
+    """hidden [B, T + 1, H], the final hidden states of the last T + 1 positions (completions right-aligned): the
+    row of each sample's last prompt token, [B, H]."""
+    T = hidden.shape[1] - 1
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), (T - completion_len).to(hidden.device)]
+
+
+def _output_layer(model: torch.nn.Module) -> torch.nn.Module:
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    return inner.get_output_embeddings()
+
+
+def _completion_forward(model: torch.nn.Module, batch: Batch, temperature: float, autocast: bool,
+                        states: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     T = batch.completion_width
     device = batch.input_ids.device.type
+    captured: list[torch.Tensor] = []
+    hook = None
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         cached = {}
         if batch.prefix_ids is not None:
             cached = {_cache_argument(): _prefix_cache(model, batch.prefix_ids, batch.input_ids.shape[0]),
                       "use_cache": True}
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
-                    logits_to_keep=T + 1, **({"use_cache": False} | cached))
+        if states:  # the output layer's input: the final (normed) hidden states of the kept positions
+            hook = _output_layer(model).register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        try:
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
+                        logits_to_keep=T + 1, **({"use_cache": False} | cached))
+        finally:
+            if hook is not None:
+                hook.remove()
+    state = prompt_states(captured[-1], batch.completion_len) if states else None
     logits = out.logits[:, :-1, :].float()  # position i predicts token i + 1: the last T targets
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1), state
