@@ -188,6 +188,14 @@ def _prefix_cache(model: torch.nn.Module, prefix_ids: torch.Tensor, batch_size: 
     return DynamicCache(ddp_cache_data=layers)
 
 
+def prefix_arguments(model: torch.nn.Module, batch: Batch) -> dict:
+    """The model's keyword arguments for the batch's tails: its shared prefix's KV cache when it has one, else
+    no cache."""
+    if batch.prefix_ids is None:
+        return {"use_cache": False}
+    return {_cache_argument(): _prefix_cache(model, batch.prefix_ids, batch.input_ids.shape[0]), "use_cache": True}
+
+
 def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
                         autocast: bool = False) -> torch.Tensor:
     """log p(target token | everything before it) for the completion positions: [B, T], under the model's
@@ -202,8 +210,7 @@ def completion_logprobs_and_states(model: torch.nn.Module, batch: Batch, tempera
     """completion_logprobs, and from the same forward pass the model's final hidden state (the input of its
     output layer) at each sample's last prompt token: [B, H], the state its completion started from. Causal
     attention: the completion does not change it."""
-    logp, states = _completion_forward(model, batch, temperature, autocast, states=True)
-    return logp, states
+    return _completion_forward(model, batch, temperature, autocast, states=True)
 
 
 def prompt_states(hidden: torch.Tensor, completion_len: torch.Tensor) -> torch.Tensor:
@@ -225,15 +232,12 @@ def _completion_forward(model: torch.nn.Module, batch: Batch, temperature: float
     captured: list[torch.Tensor] = []
     hook = None
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-        cached = {}
-        if batch.prefix_ids is not None:
-            cached = {_cache_argument(): _prefix_cache(model, batch.prefix_ids, batch.input_ids.shape[0]),
-                      "use_cache": True}
+        cached = prefix_arguments(model, batch)
         if states:  # the output layer's input: the final (normed) hidden states of the kept positions
             hook = _output_layer(model).register_forward_pre_hook(lambda module, args: captured.append(args[0]))
         try:
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
-                        logits_to_keep=T + 1, **({"use_cache": False} | cached))
+                        logits_to_keep=T + 1, **cached)
         finally:
             if hook is not None:
                 hook.remove()

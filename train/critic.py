@@ -2,7 +2,7 @@
 (the final hidden state at the prompt's last token), trained with the clipped value loss (train/losses.py).
 
 Two kinds, chosen by the `critic` config key:
-  head     (the default) a scalar head, Linear(hidden, 1), on the policy's own final hidden state, computed in the
+  head     (the default) a scalar head (ValueHead: linear on the unit-length state) on the policy's own final hidden state, computed in the
            policy's forward pass and detached from it: the value loss trains the head alone and never moves the
            policy's LoRA; the policy loss never moves the head. Cost: nothing beyond the head (one hidden-size
            vector) and its optimizer; no second model, no second forward pass in the update steps. Its features
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from lightning_otel.errors import UserError
-from lightning_otel.train.batch import Batch, completion_logprobs_and_states
+from lightning_otel.train.batch import Batch, prefix_arguments, prompt_states
 from lightning_otel.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,21 @@ HEAD_FILE = "critic_head.pt"
 States = Callable[[], torch.Tensor]  # the policy's final hidden states at the batch's last prompt tokens [B, H]
 
 
-def value_head(hidden: int) -> torch.nn.Linear:
-    head = torch.nn.Linear(hidden, 1)
-    torch.nn.init.zeros_(head.weight)
-    torch.nn.init.zeros_(head.bias)
-    return head
+class ValueHead(torch.nn.Module):
+    """V = w . h / |h| + b: a linear head on the direction of the hidden state h. A model's hidden states have
+    their own scale (|h|_1 ~ 600 for SmolLM2-135M's), and Adam moves every weight by about the learning rate per
+    step, so on raw states V would move by critic_lr x |h|_1 a step; on unit vectors by about critic_lr x
+    sqrt(hidden size), whatever the model. Zero weights: V starts at 0."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        states = states.float()
+        return self.linear(states / states.norm(dim=-1, keepdim=True).clamp(min=1e-6)).squeeze(-1)
 
 
 def _sum_over_ranks(parameters, world: int) -> None:
@@ -56,7 +66,7 @@ class HeadCritic:
     """A value head on the policy's detached final hidden state."""
 
     def __init__(self, hidden: int, config: TrainConfig, device: torch.device, world: int = 1):
-        self.head = value_head(hidden).to(device)
+        self.head = ValueHead(hidden).to(device)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.critic_lr, weight_decay=0.0)
         self.grad_clip, self.world = config.grad_clip, world
         self.trainable = sum(p.numel() for p in self.head.parameters())
@@ -65,7 +75,7 @@ class HeadCritic:
         return list(self.head.parameters())
 
     def values(self, batch: Batch, policy_states: States) -> torch.Tensor:
-        return self.head(policy_states().detach().float()).squeeze(-1)
+        return self.head(policy_states().detach())
 
     def backward(self, loss: torch.Tensor, last_of_step: bool) -> None:
         loss.backward()
@@ -82,7 +92,7 @@ class HeadCritic:
             torch.save({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}, folder / HEAD_FILE)
 
     def load(self, folder: Path, optimizer: bool) -> None:
-        saved = torch.load(folder / HEAD_FILE, map_location=self.head.weight.device, weights_only=True)
+        saved = torch.load(folder / HEAD_FILE, map_location=self.head.linear.weight.device, weights_only=True)
         self.head.load_state_dict(saved["head"])
         if optimizer:
             self.optimizer.load_state_dict(saved["optimizer"])
@@ -97,20 +107,18 @@ class ValueModel(torch.nn.Module):
 
     def __init__(self, lm: torch.nn.Module, hidden: int):
         super().__init__()
-        self.lm, self.head = lm, value_head(hidden)
+        self.lm, self.head = lm, ValueHead(hidden)
 
     def forward(self, values_of: torch.Tensor | None = None, **kwargs):
         if values_of is None:
             return self.lm(**kwargs)
-        from lightning_otel.train.batch import prompt_states
-
         captured: list[torch.Tensor] = []
         hook = self.lm.get_output_embeddings().register_forward_pre_hook(lambda m, args: captured.append(args[0]))
         try:
             self.lm(**kwargs)
         finally:
             hook.remove()
-        return self.head(prompt_states(captured[-1], values_of).float()).squeeze(-1)
+        return self.head(prompt_states(captured[-1], values_of))
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm.get_output_embeddings()
@@ -145,16 +153,10 @@ class ModelCritic:
         return [p for p in self.engine.module.parameters() if p.requires_grad]
 
     def values(self, batch: Batch, policy_states: States) -> torch.Tensor:
-        from lightning_otel.train.batch import _cache_argument, _prefix_cache
-
         with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            cached = {}
-            if batch.prefix_ids is not None:
-                cached = {_cache_argument(): _prefix_cache(self.engine, batch.prefix_ids, batch.input_ids.shape[0]),
-                          "use_cache": True}
             return self.engine(values_of=batch.completion_len, input_ids=batch.input_ids,
                                attention_mask=batch.attention, position_ids=batch.positions,
-                               logits_to_keep=batch.completion_width + 1, **({"use_cache": False} | cached))
+                               logits_to_keep=batch.completion_width + 1, **prefix_arguments(self.engine, batch))
 
     def backward(self, loss: torch.Tensor, last_of_step: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last_of_step)

@@ -10,7 +10,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 SHOWN = ("reward_mean", "success_rate", "transitions_per_episode", "loss", "kl", "clip_fraction",
          "first_ratio_mean", "zero_variance_groups", "rollout_seconds", "train_seconds", "val_reward_mean",
-         "val_accuracy", "pool_tasks", "pool_kept", "pool_never", "pool_always")
+         "val_accuracy", "pool_tasks", "pool_kept", "pool_never", "pool_always", "value_loss", "explained_variance")
 
 
 def format_record(record: dict) -> str:
