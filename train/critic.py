@@ -2,13 +2,14 @@
 (the final hidden state at the prompt's last token), trained with the clipped value loss (train/losses.py).
 
 Two kinds, chosen by the `critic` config key:
-  head     (the default) a scalar head (ValueHead: linear on the unit-length state) on the policy's own final hidden state, computed in the
-           policy's forward pass and detached from it: the value loss trains the head alone and never moves the
-           policy's LoRA; the policy loss never moves the head. Cost: nothing beyond the head (one hidden-size
-           vector) and its optimizer; no second model, no second forward pass in the update steps. Its features
-           are the policy's, so it sees what the policy sees and follows it as the policy changes. The head is a
-           plain torch module beside the DeepSpeed engine (tiny, so not partitioned); with several ranks its
-           gradients are summed over them (each rank holds part of the step's loss).
+  head     (the default) a scalar head (ValueHead: linear on the unit-length state) on the policy's own final
+           hidden state, computed in the policy's forward pass and detached from it: the value loss trains the
+           head alone and never moves the policy's LoRA; the policy loss never moves the head. Cost: nothing
+           beyond the head (one hidden-size vector) and its optimizer; no second model, no second forward pass in
+           the update steps. Its features are the policy's, so it sees what the policy sees and follows it as the
+           policy changes. The head is a plain torch module beside the DeepSpeed engine (tiny, so not
+           partitioned); with several ranks its gradients are summed over them (each rank holds part of the
+           step's loss).
   base / a model folder
            a separate value model: the policy's base model ("base") or another causal LM with the same tokenizer,
            with its own LoRA adapter (lora_rank, lora_alpha) and a scalar head, in its own DeepSpeed engine (its own

@@ -196,7 +196,8 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, targets: 
     return (torch.maximum(plain, clipped) * weights).sum(), fraction
 
 
-def ppo_advantages(returns: list[float], values: list[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
+def ppo_advantages(returns: list[float], values: list[float], gamma: float,
+                   lam: float) -> tuple[list[float], list[float]]:
     """One rollout's (A_t, R_t) from its credit returns G_t and values V_t, in turn order."""
     return gae(turn_rewards(returns, gamma), values, gamma, lam)
 

@@ -171,7 +171,8 @@ def with_critic_advantages(learner: Learner, rows: list[Transition], config: Tra
     normalised = ((advantage - advantage.mean()) / (spread + EPS)).tolist() if len(rows) > 1 else [0.0]
     target = torch.tensor(targets, dtype=torch.float64)
     if len(rows) > 1 and float(target.var()) > 0:
-        stats.explained_variance = 1.0 - float((target - torch.tensor(values, dtype=torch.float64)).var() / target.var())
+        residual = target - torch.tensor(values, dtype=torch.float64)
+        stats.explained_variance = 1.0 - float(residual.var() / target.var())
     stats.value_mean = sum(values) / len(values)
     return [{**row, "advantage": a, "value_old": v, "value_target": r}
             for row, a, v, r in zip(rows, normalised, values, targets)]
