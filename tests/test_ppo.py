@@ -72,6 +72,9 @@ def test_compile_gives_ppo_the_return_as_its_advantage_and_drops_no_group():
                           "reward": [1.0, 1.0], "return": [0.9, 1.0]})
     out, dropped = ADVANTAGES["ppo"](frame)
     assert out["advantage"].to_list() == [0.9, 1.0] and dropped == 0
+    from lightning_otel.train.offline import offline_advantage
+
+    assert offline_advantage(TrainConfig(advantage="ppo"), "grpo") == "ppo"  # offline PPO needs no groups either
 
 
 def test_ppo_config_checks():
