@@ -16,7 +16,7 @@ from pathlib import Path
 TRAINED, CONTROL = "reward", "inverted"  # the arms: trained on the reward, and on 1 - reward
 CURVE_KEYS = ("reward_mean", "reward_std", "zero_variance_groups", "first_ratio_mean", "first_clip_fraction",
               "first_logprob_gap", "clip_fraction", "served_policy_versions", "policy_version", "steps",
-              "rollout_seconds", "train_seconds", "reward_kl")
+              "rollout_seconds", "train_seconds", "reward_kl", "value_loss", "explained_variance")
 
 
 def round_curve(run: Path) -> list[dict]:

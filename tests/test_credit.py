@@ -69,8 +69,9 @@ def test_groups_are_task_and_policy_version_and_flat_groups_are_dropped():
                   ("c", "t", 1, 0, 1.0, 1.0), ("d", "t", 1, 0, 1.0, 1.0),  # version 1: no variance
                   ("e", "u", 0, 0, 0.5, 0.5)])  # alone in its group
     for name, fn in ADVANTAGES.items():
-        if name in ("none", "reinforce-pp"):
-            continue  # keep everything by definition (supervised selection; a batch baseline), tested below
+        if name in ("none", "reinforce-pp", "ppo"):
+            continue  # keep everything by definition (supervised selection; a batch baseline; the critic's
+            # baseline, tests/test_ppo.py), tested below
         out, flat = fn(data)
         assert sorted(out["rollout_id"].to_list()) == ["a", "b"], name
         assert flat == 2, name

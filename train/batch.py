@@ -37,6 +37,9 @@ class Batch:
     rollout: torch.Tensor        # [B] long, index of the sample's rollout within the step
     prefix_ids: torch.Tensor | None = None  # [1, P] long: tokens every sample starts with, run once
     # With a prefix, input_ids and positions hold the tails only; attention covers prefix + tails: [B, P + L].
+    completion_len: torch.Tensor | None = None  # [B] long, completion tokens of each sample
+    old_values: torch.Tensor | None = None      # [B] float, the critic's values before the pass (PPO), else None
+    value_targets: torch.Tensor | None = None   # [B] float, the critic's targets R_t (PPO), else None
 
     @property
     def completion_width(self) -> int:
@@ -92,7 +95,13 @@ def collate(rows: list[Transition], pad_id: int, rollout_index: dict[str, int] |
         advantages = per_token
     rollout = torch.tensor([rollout_index.setdefault(r.get("rollout_id") or str(i), len(rollout_index))
                             for i, r in enumerate(rows)], dtype=torch.long)
-    return Batch(input_ids, attention, positions, targets, mask, old_logp, advantages, rollout, prefix_ids)
+    completion_len = torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.long)
+    old_values = value_targets = None
+    if all(r.get("value_old") is not None and r.get("value_target") is not None for r in rows):
+        old_values = torch.tensor([float(r["value_old"]) for r in rows], dtype=torch.float)
+        value_targets = torch.tensor([float(r["value_target"]) for r in rows], dtype=torch.float)
+    return Batch(input_ids, attention, positions, targets, mask, old_logp, advantages, rollout, prefix_ids,
+                 completion_len, old_values, value_targets)
 
 
 def common_prefix(a, b, limit: int | None = None) -> int:
@@ -211,24 +220,63 @@ def completion_scores(model: torch.nn.Module, batch: Batch, temperature: float =
     the entropy of that same distribution at each position, from the same forward pass (else zeros).
     `autocast`: the forward pass computes in bf16 (torch.autocast) while the weights, and so the optimizer,
     stay fp32; the log-softmax is taken in fp32 either way."""
-    T = batch.completion_width
-    device = batch.input_ids.device.type
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-        cached = {}
-        if batch.prefix_ids is not None:
-            cached = {_cache_argument(): _prefix_cache(model, batch.prefix_ids, batch.input_ids.shape[0]),
-                      "use_cache": True}
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
-                    logits_to_keep=T + 1, **({"use_cache": False} | cached))
-    logits = out.logits[:, :-1, :].float()  # position i predicts token i + 1: the last T targets
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-    return Scores(logp, token_entropy(logp_all) if entropy else torch.zeros_like(logp, requires_grad=False))
+    return _completion_forward(model, batch, temperature, autocast, states=False, entropy=entropy)[0]
 
 
 def completion_logprobs(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
                         autocast: bool = False) -> torch.Tensor:
     """completion_scores' log-probabilities alone [B, T] (no entropy computed)."""
     return completion_scores(model, batch, temperature, autocast, entropy=False).logp
+
+
+def completion_scores_and_states(model: torch.nn.Module, batch: Batch, temperature: float = 1.0,
+                                 autocast: bool = False, entropy: bool = True) -> tuple[Scores, torch.Tensor]:
+    """completion_scores, and from the same forward pass the model's final hidden state (the input of its
+    output layer) at each sample's last prompt token: [B, H], the state its completion started from. Causal
+    attention: the completion does not change it."""
+    return _completion_forward(model, batch, temperature, autocast, states=True, entropy=entropy)
+
+
+def prefix_arguments(model: torch.nn.Module, batch: Batch) -> dict:
+    """The model's keyword arguments for the batch's tails: its shared prefix's KV cache when it has one, else
+    no cache."""
+    if batch.prefix_ids is None:
+        return {"use_cache": False}
+    return {_cache_argument(): _prefix_cache(model, batch.prefix_ids, batch.input_ids.shape[0]), "use_cache": True}
+
+
+def prompt_states(hidden: torch.Tensor, completion_len: torch.Tensor) -> torch.Tensor:
+    """hidden [B, T + 1, H], the final hidden states of the last T + 1 positions (completions right-aligned): the
+    row of each sample's last prompt token, [B, H]."""
+    T = hidden.shape[1] - 1
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), (T - completion_len).to(hidden.device)]
+
+
+def _output_layer(model: torch.nn.Module) -> torch.nn.Module:
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    return inner.get_output_embeddings()
+
+
+def _completion_forward(model: torch.nn.Module, batch: Batch, temperature: float, autocast: bool,
+                        states: bool, entropy: bool) -> tuple[Scores, torch.Tensor | None]:
+    T = batch.completion_width
+    device = batch.input_ids.device.type
+    captured: list[torch.Tensor] = []
+    hook = None
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        cached = prefix_arguments(model, batch)
+        if states:  # the output layer's input: the final (normed) hidden states of the kept positions
+            hook = _output_layer(model).register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        try:
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention, position_ids=batch.positions,
+                        logits_to_keep=T + 1, **cached)
+        finally:
+            if hook is not None:
+                hook.remove()
+    state = prompt_states(captured[-1], batch.completion_len) if states else None
+    logits = out.logits[:, :-1, :].float()  # position i predicts token i + 1: the last T targets
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    return Scores(logp, token_entropy(logp_all) if entropy else torch.zeros_like(logp, requires_grad=False)), state

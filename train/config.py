@@ -15,7 +15,7 @@ from typing import Any
 from lightning_otel.errors import UserError
 from lightning_otel.serve.prompts import load_patches
 from lightning_otel.serve.toolcalls import FORMATS
-from lightning_otel.train.losses import AGGREGATIONS, TOKEN_RETURNS
+from lightning_otel.train.losses import AGGREGATIONS, CRITIC_ADVANTAGES, TOKEN_RETURNS
 from lightning_otel.train.settings import load_settings, render_toml
 from lightning_otel.train.trackers import tracker_names
 from lightning_otel.train.transitions.credit import ADVANTAGES, advantage_name
@@ -67,8 +67,15 @@ class TrainConfig:
     # credit (DESIGN §4)
     gamma: float = 1.0
     agents: str = ""                  # regex over whole agent names: train only their LLM calls ("" = all)
-    advantage: str = "per-rollout"    # transitions/credit.py; reinforce-pp: REINFORCE++, per token (train/losses.py)
+    advantage: str = "per-rollout"    # transitions/credit.py; reinforce-pp: REINFORCE++, per token (train/losses.py);
+                                      # ppo: PPO with a learned critic, GAE over each rollout's turns
     merge_turns: bool = False
+    # PPO's critic (advantage = ppo; train/critic.py)
+    lam: float = 1.0                  # GAE's lambda over the turns of a rollout (1: A = return - value)
+    value_clip: float = 0.2           # clip range of the value loss around the values before the pass (0: off)
+    critic: str = "head"              # head: a value head on the policy's hidden state; base: a copy of the base
+                                      # model with its own LoRA adapter and head; or a model folder (same tokenizer)
+    critic_lr: float = 1e-3           # the critic's learning rate (AdamW); ~1e-4 for a model critic
     # optimisation
     lr: float = 1e-5
     clip: float = 0.2
@@ -142,6 +149,18 @@ class TrainConfig:
             (0 < self.temperature <= 2, f"temperature = {self.temperature}: rollouts must sample (0 < T <= 2); "
                                         "greedy decoding gives GRPO groups of identical answers"),
             (self.advantage in ADVANTAGES, f"advantage = {self.advantage!r}: choose one of {sorted(ADVANTAGES)}"),
+            (0 <= self.lam <= 1, f"lam = {self.lam}: GAE's lambda is in [0, 1]"),
+            (0 < self.gamma <= 1, f"gamma = {self.gamma}: the discount per LLM call is in (0, 1]"),
+            (self.value_clip >= 0, f"value_clip = {self.value_clip}: must be >= 0 (0: no clipping)"),
+            (self.critic_lr > 0, f"critic_lr = {self.critic_lr}: must be positive"),
+            (self.critic == "head" or self.advantage in CRITIC_ADVANTAGES,
+             f"critic = {self.critic!r}: only advantage = {' or '.join(sorted(CRITIC_ADVANTAGES))} trains a critic "
+             f"(advantage is {self.advantage!r}); set advantage = ppo, or leave critic unset"),
+            (self.critic in ("head", "base") or (Path(self.critic).expanduser() / "config.json").is_file(),
+             f"critic = {self.critic!r}: not head, base or a model folder (no config.json there); give head (a "
+             f"value head on the policy), base (the policy's base model with its own adapter) or a Hugging Face "
+             f"model folder with the policy's tokenizer"),
+
             (self.aggregation in AGGREGATIONS, f"aggregation = {self.aggregation!r}: choose one of "
                                                f"{sorted(AGGREGATIONS)}"),
             (self.micro_batch >= 1 and self.batch_size >= self.micro_batch,

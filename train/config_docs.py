@@ -66,8 +66,18 @@ HELP: dict[str, str] = {
     "gamma": "Discount per later LLM call in the returns (1: every call gets the episode reward).",
     "agents": "Regex over whole agent names: train only the LLM calls of matching agents (empty: all).",
     "advantage": "`per-rollout` (group baseline), `per-transition`, `batch-baseline`, `reinforce-pp` "
-                 "(REINFORCE++: one baseline over the round, per token) or `none`.",
+                 "(REINFORCE++: one baseline over the round, per token), `ppo` (a learned critic, GAE over each "
+                 "rollout's turns) or `none`.",
     "merge_turns": "Merge consecutive turns whose tokens extend the previous turn into one sample.",
+    # PPO's critic
+    "lam": "`advantage = ppo`: GAE's lambda over the turns of a rollout (1: A = return - value; 0: one-step "
+           "bootstrapped advantages).",
+    "value_clip": "`advantage = ppo`: clip range of the value loss around the critic's values before the pass "
+                  "(0: the plain squared error).",
+    "critic": "`advantage = ppo`: the value model. `head`: a scalar head on the policy's own final hidden state "
+              "(no second model); `base`: a copy of the base model with its own LoRA adapter and head; or a model "
+              "folder with the policy's tokenizer.",
+    "critic_lr": "`advantage = ppo`: the critic's learning rate (AdamW); about 1e-4 suits a model critic.",
     # optimisation
     "lr": "Learning rate of the RL updates.",
     "clip": "PPO clip range of the probability ratio, in (0, 1).",

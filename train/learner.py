@@ -23,9 +23,12 @@ import torch
 
 from lightning_otel.serve.engine import native_bf16
 from lightning_otel.train import distributed
-from lightning_otel.train.batch import Batch, Scores, completion_logprobs, completion_scores
+from lightning_otel.train.batch import (Batch, Scores, completion_logprobs, completion_scores,
+                                        completion_scores_and_states)
 from lightning_otel.train.config import TrainConfig
+from lightning_otel.train.critic import build_critic
 from lightning_otel.train.distributed import collective
+from lightning_otel.train.losses import CRITIC_ADVANTAGES
 
 log = logging.getLogger(__name__)
 LORA_TARGETS = "all-linear"
@@ -76,7 +79,9 @@ def slow_bf16_warning(config: TrainConfig, native: bool) -> str | None:
 
 
 class Learner:
-    """The trainable policy. `logprobs(batch)` is differentiable; `reference_logprobs(batch)` is not."""
+    """The trainable policy. `logprobs(batch)` is differentiable; `reference_logprobs(batch)` is not. With an
+    advantage that needs a value model (losses.CRITIC_ADVANTAGES: PPO) it also holds the critic
+    (train/critic.py), trained and saved beside the policy; `critic` is None otherwise."""
 
     def __init__(self, model_dir: Path, config: TrainConfig):
         import deepspeed
@@ -114,6 +119,9 @@ class Learner:
         distributed_env()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=deepspeed_config(config))
+        self.critic = None
+        if config.advantage in CRITIC_ADVANTAGES:
+            self.critic = build_critic(config, self.model_dir, self.module, self.tokenizer, self.world)
         log.info("policy: %s, %s, %.1fM trainable parameters, ZeRO %d, %d rank(s)", model_dir,
                  "full fine-tune" if config.full_finetune else f"LoRA r{config.lora_rank}",
                  self.trainable / 1e6, config.zero_stage, self.world)
@@ -145,6 +153,18 @@ class Learner:
         """logprobs(), and the policy's entropy at each completion position from the same forward pass."""
         return completion_scores(self.engine, batch, temperature, self.config.autocast)
 
+    def scores_and_values(self, batch: Batch, temperature: float = 1.0) -> tuple[Scores, torch.Tensor]:
+        """scores(batch), and the critic's values V [B] of each sample's state (its last prompt token): the
+        head critic reads the policy's hidden states of this same forward pass."""
+        scores, hidden = completion_scores_and_states(self.engine, batch, temperature, self.config.autocast)
+        return scores, self.critic.values(batch, lambda: hidden)
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        """The critic's values [B], without gradients (a policy forward pass only when the critic reads it)."""
+        return self.critic.values(batch, lambda: completion_scores_and_states(
+            self.engine, batch, 1.0, self.config.autocast, entropy=False)[1])
+
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         if self.reference is not None:
@@ -152,13 +172,16 @@ class Learner:
         with self.module.disable_adapter():
             return completion_logprobs(self.engine, batch, temperature, self.config.autocast)
 
-    def backward(self, loss: torch.Tensor, last_of_step: bool) -> None:
+    def backward(self, loss: torch.Tensor, last_of_step: bool, critic_loss: torch.Tensor | None = None) -> None:
         """Accumulate gradients; the optimizer steps after the last micro-batch of a step. With several ranks each
         holds part of the step's loss and DeepSpeed averages their gradients: scaled by the world size, the
-        average is the gradient of the whole step's loss."""
+        average is the gradient of the whole step's loss. `critic_loss` (PPO's value loss) goes to the critic's
+        own parameters and optimizer, on the same step boundaries."""
         self.engine.set_gradient_accumulation_boundary(last_of_step)
         self.engine.backward(loss * self.world if self.world > 1 else loss, scale_wrt_gas=False)
         self.engine.step()
+        if critic_loss is not None:
+            self.critic.backward(critic_loss, last_of_step)
 
     def grad_norm(self) -> float | None:
         """The last step's gradient norm over all ranks, before clipping (None when DeepSpeed did not compute it:
@@ -192,8 +215,10 @@ class Learner:
 
     @collective
     def save_state(self, folder: Path) -> None:
-        """Optimizer and parameters for resuming (DeepSpeed checkpoint)."""
+        """Optimizer and parameters for resuming (DeepSpeed checkpoint); the critic's in `folder/critic`."""
         self.engine.save_checkpoint(str(folder), tag="state")
+        if self.critic is not None:
+            self.critic.save(folder / "critic", self.rank)
 
     @collective
     def load_state(self, folder: Path, optimizer: bool = True) -> None:
@@ -208,6 +233,11 @@ class Learner:
             # DeepSpeed restores its step count only with the optimizer; the run's count goes on either way (the
             # x axis of the step metrics, train/trackers.py), as it does when GRPO follows SFT in one process.
             self.engine.global_steps = int(rest.get("global_steps", self.engine.global_steps))
+        if self.critic is not None:
+            if (folder / "critic").is_dir():
+                self.critic.load(folder / "critic", optimizer)
+            else:  # a state saved without one: the SFT warm start's
+                log.info("no critic in %s: the critic starts fresh", folder)
 
     @collective
     def fresh_optimizer(self) -> None:
@@ -236,7 +266,9 @@ class Learner:
         process: DeepSpeed keeps references to it, and a later learner reuses it."""
         if self.engine is not None:
             self.engine.destroy()
-        self.engine = self.optimizer = self.reference = None
+        if self.critic is not None:
+            self.critic.close()
+        self.engine = self.optimizer = self.reference = self.critic = None
         gc.collect()
         pattern = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
                    f"{os.environ.get('MASTER_PORT')}_*")

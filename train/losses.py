@@ -30,6 +30,21 @@ the discount gamma counts LLM calls (DESIGN §4) and is already in G, so tokens 
 discounted; a transition's return carries its own KL penalties, not those of the rollout's later calls.
 With kl = 0 it is REINFORCE with a global baseline over the round's tokens: credit.py's reinforce_pp
 advantage, the same for every token of a transition (the trainer still computes it per token).
+
+PPO with a learned critic (`advantage = "ppo"`, a CRITIC_ADVANTAGES entry; train/critic.py holds the critic).
+Turn-level: one step is one transition (an LLM call) of a rollout, in turn order; its state is the prompt, and
+V_t the critic's value at the prompt's last token. The per-turn rewards are those hierarchical credit placed
+(credit.py's returns G_t, episode and intermediate rewards alike), recovered from the returns:
+    r_t = G_t - gamma * G_{t+1}                      (G after the last turn = 0)
+so that sum_k gamma**k r_{t+k} = G_t whatever the scopes. Then GAE (Schulman et al. 2016):
+    delta_t = r_t + gamma * V_{t+1} - V_t             (V after the last turn = 0)
+    A_t     = delta_t + gamma * lam * A_{t+1}
+    R_t     = A_t + V_t                               (the value target; with lam = 1, R_t = G_t)
+A_t is normalised over the pass's transitions ((A - mean) / (std + eps), sample std) and used as every token's
+advantage in the clipped objective above. The critic learns from the clipped value loss
+    l_b = max((V_b - R_b)^2, (clip(V_b, V_old_b - eps_v, V_old_b + eps_v) - R_b)^2)
+weighted like the policy loss (sum over the step of each sample's share of the token weights), V_old the values
+before the pass's first update. eps_v = value_clip; 0 turns the clipping off.
 """
 from __future__ import annotations
 
@@ -83,6 +98,8 @@ class LossOutput:
     entropy: float | None = None    # entropy of the policy's next-token distribution (None: not computed)
     approx_kl: float | None = None  # k3 estimate of KL(old || current), the sampler's tokens (None: not a ratio loss)
     has_kl: bool = False            # the loss has the k3 KL-to-reference term (`kl` is its value)
+    critic_loss: torch.Tensor | None = None  # scalar, differentiable in the critic's parameters only (PPO)
+    value_clip_fraction: float = 0.0
 
 
 def weighted(values: torch.Tensor | None, weights: torch.Tensor) -> float | None:
@@ -160,4 +177,52 @@ def normalise_tokens(values: list[torch.Tensor], masks: list[torch.Tensor]) -> l
 # KL to the reference as a penalty in the rewards (`kl` is then beta, and the loss has no k3 term).
 TOKEN_RETURNS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
     "reinforce-pp": kl_penalised_returns,
+}
+
+
+def turn_rewards(returns: list[float], gamma: float) -> list[float]:
+    """Per-turn rewards r_t = G_t - gamma * G_{t+1} of one rollout's returns in turn order (G_n = 0)."""
+    return [g - gamma * (returns[t + 1] if t + 1 < len(returns) else 0.0) for t, g in enumerate(returns)]
+
+
+def gae(rewards: list[float], values: list[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
+    """GAE over the turns of one rollout: (advantages A_t, value targets R_t = A_t + V_t); the state after the
+    last turn is terminal (value 0)."""
+    if len(rewards) != len(values):
+        raise ValueError(f"gae: {len(rewards)} rewards but {len(values)} values")
+    advantages = [0.0] * len(rewards)
+    following = next_value = 0.0
+    for t in reversed(range(len(rewards))):
+        delta = rewards[t] + gamma * next_value - values[t]
+        following = delta + gamma * lam * following
+        advantages[t], next_value = following, values[t]
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                       clip: float) -> tuple[torch.Tensor, float]:
+    """PPO's clipped value loss sum_b w_b * max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2), all [B]
+    (`weights` [B] sum to 1 over the step; clip = 0: the plain squared error); and the fraction of weighted samples
+    whose gradient the clipping removed."""
+    plain = (values - targets) ** 2
+    if not clip:
+        return (plain * weights).sum(), 0.0
+    clipped = (old_values + torch.clamp(values - old_values, -clip, clip) - targets) ** 2
+    with torch.no_grad():
+        counted = weights > 0
+        fraction = float(((clipped > plain) & counted).sum() / counted.sum().clamp(min=1))
+    return (torch.maximum(plain, clipped) * weights).sum(), fraction
+
+
+def ppo_advantages(returns: list[float], values: list[float], gamma: float,
+                   lam: float) -> tuple[list[float], list[float]]:
+    """One rollout's (A_t, R_t) from its credit returns G_t and values V_t, in turn order."""
+    return gae(turn_rewards(returns, gamma), values, gamma, lam)
+
+
+# Advantage names (credit.ADVANTAGES) whose advantages come from a learned value model: the learner trains a
+# critic beside the policy (train/critic.py), and before a pass's first update the trainer computes every
+# transition's values and advantages with this function (per rollout: returns, values, gamma, lam).
+CRITIC_ADVANTAGES: dict[str, Callable[[list[float], list[float], float, float], tuple[list[float], list[float]]]] = {
+    "ppo": ppo_advantages,
 }

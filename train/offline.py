@@ -5,7 +5,8 @@
 grpo: the compiler's transitions with the `batch-baseline` advantage: rollouts sharing a (task, policy
       version) group with others are normalised within it (GRPO); rollouts alone in theirs are normalised
       against all lone rollouts (a batch baseline). With `advantage = "reinforce-pp"` REINFORCE++ instead:
-      one baseline over all the transitions, no groups, token-level KL with `kl`. Ratios are taken against
+      one baseline over all the transitions, no groups, token-level KL with `kl`; with `advantage = "ppo"`
+      PPO: GAE from a critic trained from scratch on the same transitions. Ratios are taken against
       the recorded sampling logprobs, so older policies' data is clipped like any off-policy sample.
 sft:  rejection-sampling fine-tuning: the transitions of rollouts whose reward reached `--min-reward`.
 The result is a run folder like an online run's (checkpoints/offline, run.json, metrics.jsonl), so `eval`,
@@ -30,7 +31,7 @@ from lightning_otel.train.transitions.compile import CompileConfig, compile_tran
 
 log = logging.getLogger(__name__)
 ADVANTAGE_FOR = {"grpo": "batch-baseline", "sft": "none"}
-GROUPLESS = {"reinforce-pp"}  # advantages that need no groups: offline GRPO takes them as configured
+GROUPLESS = {"reinforce-pp", "ppo"}  # advantages that need no groups: offline GRPO takes them as configured
 
 
 def offline_advantage(config: TrainConfig, objective: str) -> str:

@@ -12,6 +12,10 @@ ones (ratio 1 at the first epoch).
 Token-level advantages (`advantage = "reinforce-pp"`, losses.TOKEN_RETURNS): their normalisation takes every
 trained token of the pass, so before the first step one no-grad pass over all the transitions scores them with
 the reference policy (with kl_reward > 0), and each transition gets its `token_advantages`; the steps then use those.
+
+Advantages from a critic (`advantage = "ppo"`, losses.CRITIC_ADVANTAGES): before the first step one no-grad pass
+gives every transition the critic's value V_old; GAE over each rollout's turns gives its advantage (normalised
+over the pass) and value target; each step then adds the clipped value loss, which trains the critic alone.
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ from lightning_otel.train import distributed
 from lightning_otel.train.batch import Batch, collate, common_prefix, plan_micro_batches
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.learner import Learner
-from lightning_otel.train.losses import (AGGREGATIONS, TOKEN_RETURNS, LossOutput, grpo_loss, normalise_tokens, sft_loss,
-                                         token_weights)
+from lightning_otel.train.losses import (AGGREGATIONS, CRITIC_ADVANTAGES, TOKEN_RETURNS, LossOutput, clipped_value_loss,
+                                         grpo_loss, normalise_tokens, sft_loss, token_weights)
+from lightning_otel.train.transitions.credit import EPS
 from lightning_otel.train.transitions.record import Transition
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,10 @@ class StepStats:
     approx_kl: list[float] = field(default_factory=list)  # each step's k3 KL(old || current) (ratio losses)
     ranks: int = 1  # processes the steps ran on (train/distributed.py)
     reward_kl: float | None = None  # token-level advantages with kl_reward > 0: mean old_logp - ref_logp over the pass
+    value_loss: list[float] = field(default_factory=list)           # PPO: each step's clipped value loss
+    value_clip_fraction: list[float] = field(default_factory=list)  # PPO: per micro-batch
+    value_mean: float | None = None          # PPO: the critic's mean value over the pass, before its updates
+    explained_variance: float | None = None  # PPO: 1 - Var(R - V_old) / Var(R) over the pass (1: a perfect critic)
     # The first micro-batch runs before any update of the pass: its policy is the one that sampled, so its ratio
     # should be ~1 and its clip fraction ~0; anything else means the learner and the engine disagree.
     first: LossOutput | None = None
@@ -65,7 +74,9 @@ class StepStats:
                 f"{prefix}clip_fraction": mean(self.clip_fraction), f"{prefix}ratio_mean": mean(self.ratio_mean),
                 f"{prefix}grad_norm": mean(self.grad_norm), f"{prefix}entropy": mean(self.entropy),
                 f"{prefix}approx_kl": mean(self.approx_kl), f"{prefix}ranks": self.ranks,
-                f"{prefix}reward_kl": self.reward_kl,
+                f"{prefix}reward_kl": self.reward_kl, f"{prefix}value_loss": mean(self.value_loss),
+                f"{prefix}value_clip_fraction": mean(self.value_clip_fraction),
+                f"{prefix}value_mean": self.value_mean, f"{prefix}explained_variance": self.explained_variance,
                 f"{prefix}first_ratio_mean": self.first.ratio_mean if self.first else None,
                 f"{prefix}first_clip_fraction": self.first.clip_fraction if self.first else None,
                 f"{prefix}first_logprob_gap": self.first.logprob_gap if self.first else None,
@@ -80,12 +91,22 @@ StepCallback = Callable[[int, dict[str, float]], None]  # (optimizer steps of th
 def grpo_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
     # The policy is the distribution rollouts sampled from: logits / temperature (the engine records the
     # logprobs of that same distribution). SFT below stays at temperature 1.
-    scores = learner.scores(batch, config.temperature)  # the entropy comes from this same forward pass
+    # Rows with value targets (a critic's advantages) also give the critic its loss, from the same forward pass,
+    # as does the entropy.
+    critic = batch.value_targets is not None
+    scores, values = learner.scores_and_values(batch, config.temperature) if critic else \
+        (learner.scores(batch, config.temperature), None)
     logp = scores.logp
     old = torch.where(torch.isnan(batch.old_logp), logp.detach(), batch.old_logp)
     ref = learner.reference_logprobs(batch, config.temperature) if config.kl_loss else None
-    return grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl_loss, ref_logp=ref,
-                     entropy=scores.entropy)
+    out = grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl_loss, ref_logp=ref,
+                    entropy=scores.entropy)
+    if critic:
+        # each sample's share of the step's policy loss weighs its value error: both sum to 1 over the step
+        out.critic_loss, out.value_clip_fraction = clipped_value_loss(
+            values, batch.old_values.to(values.device), batch.value_targets.to(values.device),
+            weights.sum(dim=1).to(values.device), config.value_clip)
+    return out
 
 
 def sft_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config: TrainConfig) -> LossOutput:
@@ -129,6 +150,49 @@ def with_token_advantages(learner: Learner, rows: list[Transition], config: Trai
     return [{**row, "token_advantages": a.tolist()} for row, a in zip(rows, advantages)]
 
 
+def with_critic_advantages(learner: Learner, rows: list[Transition], config: TrainConfig,
+                           stats: StepStats) -> list[Transition]:
+    """The rows with `value_old` (the critic's value of the row's state, before any update of the pass),
+    `value_target` and `advantage` (normalised over the rows) when config.advantage takes its advantages from a
+    critic (losses.CRITIC_ADVANTAGES), else as given. Each rollout's rows, in turn order, are its trajectory."""
+    advantages_of = CRITIC_ADVANTAGES.get(config.advantage)
+    if advantages_of is None or not rows:
+        return rows
+    values = [0.0] * len(rows)
+    plans = plan_micro_batches(rows, config.micro_batch, config.share_prefix, config.micro_batch_tokens)
+    for indices, prefix_len in plans:
+        batch = collate([rows[j] for j in indices], learner.pad_id, None, prefix_len)
+        for j, v in zip(indices, learner.values(batch).tolist()):
+            values[j] = v
+    by_rollout: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_rollout.setdefault(row.get("rollout_id") or str(i), []).append(i)
+    raw, targets = [0.0] * len(rows), [0.0] * len(rows)
+    for members in by_rollout.values():
+        members.sort(key=lambda i: rows[i].get("turn") or 0)
+        a, r = advantages_of([float(rows[i]["return"]) for i in members], [values[i] for i in members],
+                             config.gamma, config.lam)
+        for i, a_i, r_i in zip(members, a, r):
+            raw[i], targets[i] = a_i, r_i
+    advantage = torch.tensor(raw, dtype=torch.float64)
+    spread = float(advantage.std()) if len(rows) > 1 else 0.0
+    normalised = ((advantage - advantage.mean()) / (spread + EPS)).tolist() if len(rows) > 1 else [0.0]
+    target = torch.tensor(targets, dtype=torch.float64)
+    if len(rows) > 1 and float(target.var()) > 0:
+        residual = target - torch.tensor(values, dtype=torch.float64)
+        stats.explained_variance = 1.0 - float(residual.var() / target.var())
+    stats.value_mean = sum(values) / len(values)
+    return [{**row, "advantage": a, "value_old": v, "value_target": r}
+            for row, a, v, r in zip(rows, normalised, values, targets)]
+
+
+def with_learned_advantages(learner: Learner, rows: list[Transition], config: TrainConfig,
+                            stats: StepStats) -> list[Transition]:
+    """The advantages computed at update time (each a no-op unless config.advantage is in its registry)."""
+    rows = with_token_advantages(learner, rows, config, stats)
+    return with_critic_advantages(learner, rows, config, stats)
+
+
 @dataclass(frozen=True)
 class Objective:
     loss: Loss
@@ -136,7 +200,7 @@ class Objective:
     prepare: Callable[[Learner, list[Transition], TrainConfig, StepStats], list[Transition]] | None = None
 
 
-OBJECTIVES: dict[str, Objective] = {"grpo": Objective(grpo_objective, with_token_advantages),
+OBJECTIVES: dict[str, Objective] = {"grpo": Objective(grpo_objective, with_learned_advantages),
                                     "sft": Objective(sft_objective)}
 
 
@@ -232,16 +296,16 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
     rank, world = learner.rank, learner.world
     mine = plans[rank::world]
     count = math.ceil(len(plans) / world)
-    total = kl = entropy = approx_kl = clipped = 0.0
+    total = kl = entropy = approx_kl = clipped = value_total = 0.0
     parts_seen = 0
-    has_kl = ratio_loss = False
+    has_kl = ratio_loss = critic = False
     for i in range(count):
         real = i < len(mine)
         indices, prefix_len = mine[i] if real else plans[0]
         batch = collate([rows[j] for j in indices], learner.pad_id, rollout_index, prefix_len)
         weights = token_weights(batch.mask, scale[indices])
         out = loss_fn(learner, batch, weights if real else torch.zeros_like(weights), config)
-        learner.backward(out.loss, last_of_step=i == count - 1)
+        learner.backward(out.loss, last_of_step=i == count - 1, critic_loss=out.critic_loss)
         if not real:
             continue
         total += float(out.loss.detach())  # weights sum to 1 over the step: the parts add up
@@ -251,14 +315,21 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
         clipped += out.clip_fraction
         parts_seen += 1
         has_kl, ratio_loss = has_kl or out.has_kl, ratio_loss or out.approx_kl is not None
+        if out.critic_loss is not None:
+            critic = True
+            value_total += float(out.critic_loss.detach())
+            stats.value_clip_fraction.append(out.value_clip_fraction)
         stats.clip_fraction.append(out.clip_fraction)
         stats.ratio_mean.append(out.ratio_mean)
-        stats.first = stats.first or replace(out, loss=out.loss.detach())
+        stats.first = stats.first or replace(out, loss=out.loss.detach(), critic_loss=None)
     if world > 1:  # the step's figures: the sum of every rank's parts
-        parts = torch.tensor([total, kl, entropy, approx_kl, clipped, parts_seen], dtype=torch.float64)
+        parts = torch.tensor([total, kl, entropy, approx_kl, clipped, parts_seen, value_total], dtype=torch.float64)
         torch.distributed.all_reduce(parts)
-        total, kl, entropy, approx_kl, clipped, parts_seen = (float(x) for x in parts)
+        total, kl, entropy, approx_kl, clipped, parts_seen, value_total = (float(x) for x in parts)
     metrics = {"loss": total, "lr": learner.learning_rate(), "entropy": entropy}
+    if critic:
+        stats.value_loss.append(value_total)
+        metrics["value_loss"] = value_total
     if (norm := learner.grad_norm()) is not None:
         stats.grad_norm.append(norm)
         metrics["grad_norm"] = norm

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.learning.learning_check --out /tmp/loop [--rounds 10] [--pool 4] [-n 4] [--autocast]
         [--advantage reinforce-pp --kl 0.05]   # REINFORCE++ instead of GRPO's per-rollout advantage
+        [--advantage ppo]                       # PPO: a learned critic (a value head on the policy), GAE over turns
 
 Two runs from the same base model, side by side on one engine, with a one-call SQL agent (the first turn of the
 plain-OpenAI example, lightning_otel.tasks.spider.loop_check.answer; `--agent openai_sql` runs the three-turn

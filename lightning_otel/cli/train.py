@@ -122,7 +122,8 @@ def register(sub) -> None:
                    help="per-rollout: group statistics over rollouts (default); per-transition: over transitions "
                         "(Agent Lightning's legacy); batch-baseline: groups, lone rollouts against each other; "
                         "reinforce-pp: one baseline over the whole batch, no groups (REINFORCE++, its sequence "
-                        "part: the trainer adds the token-level KL); none")
+                        "part: the trainer adds the token-level KL); ppo: the return itself (the trainer replaces "
+                        "it with GAE from its critic); none")
     p.add_argument("--agents", metavar="REGEX",
                    help="train only LLM calls of agents whose whole name matches this pattern")
     p.add_argument("--intermediate", action="append", metavar="NAME",

@@ -16,6 +16,9 @@ Advantages (registry ADVANTAGES; the trainer never branches on the name):
                   transition counts its tokens), nothing dropped. This is the sequence-level part, equal to
                   the trainer's per-token advantages with kl = 0; the trainer recomputes it per token with the
                   KL penalty in the rewards (losses.py, TOKEN_RETURNS).
+  ppo             PPO with a learned critic: the trainer computes the advantages at update time, by GAE over
+                  each rollout's turns with the critic's values (train/losses.py, CRITIC_ADVANTAGES); here the
+                  advantage is the return G itself (no baseline), nothing dropped.
 Group = (task id, policy version). std is the sample standard deviation (n - 1), as torch.std, TRL and
 verl compute it. A group whose rewards do not vary gives no gradient: it is dropped and counted (not under
 reinforce_pp, whose batch baseline gives such a group a non-zero advantage).
@@ -119,6 +122,11 @@ def advantage_reinforce_pp(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     return weighted.with_columns(((g - mean) / (std + EPS)).alias("advantage")).drop("_w"), 0
 
 
+def advantage_return(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """A = G: no baseline and no groups (PPO's critic supplies the baseline when the trainer updates)."""
+    return frame.with_columns(pl.col("return").alias("advantage")), 0
+
+
 def advantage_none(frame: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     """No advantage (0) and no group filtering: for supervised selection of trajectories by reward."""
     return frame.with_columns(pl.lit(0.0).alias("advantage")), 0
@@ -129,6 +137,7 @@ ADVANTAGES: dict[str, Callable[[pl.DataFrame], tuple[pl.DataFrame, int]]] = {
     "per-transition": advantage_per_transition,
     "batch-baseline": advantage_with_batch_baseline,
     "reinforce-pp": advantage_reinforce_pp,
+    "ppo": advantage_return,
     "none": advantage_none,
 }
 # Spellings of earlier releases, accepted for one more release with a deprecation message.
