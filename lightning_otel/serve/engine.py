@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -300,6 +301,29 @@ def engine_env(config: EngineConfig, environ: dict[str, str] | None = None) -> d
     return env
 
 
+PORT_ATTEMPTS = 3  # starts on a fresh port when the picked one was taken before vLLM bound it
+
+
+class PortTaken(Exception):
+    """The engine's port was bound by another process before the engine bound it."""
+
+
+def _port_lost(port: int, log_path: Path | None, offset: int) -> bool:
+    """Whether an engine that exited while starting lost its port: its log says so (when kept), or the port
+    is busy now that the engine is gone."""
+    if log_path is not None:
+        with contextlib.suppress(OSError), open(log_path, "rb") as log_file:
+            log_file.seek(offset)
+            if b"Address already in use" in log_file.read():
+                return True
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 class VLLMEngine:
     """vLLM's OpenAI server as a child process that dies with us; LoRA adapters hot-loaded by name."""
 
@@ -332,15 +356,35 @@ class VLLMEngine:
                 *c.extra_args]
 
     def start(self) -> None:
+        """Start the server and wait until it answers. A port picked here (config.port = 0) can be taken by
+        another process between the pick and vLLM's bind; then a new one is picked and the start retried."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._start_once()
+                return
+            except PortTaken:
+                if self.config.port or attempt == PORT_ATTEMPTS:
+                    raise UserError(f"the vLLM engine could not bind 127.0.0.1:{self.port}: another process "
+                                    f"holds it; free it, or leave the port to the engine (port = 0)") from None
+                log.warning("port %d was taken before the engine bound it; starting again on another", self.port)
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+
+    def _start_once(self) -> None:
         env = engine_env(self.config)
         log_file = open(self.config.log_path or os.devnull, "ab")
+        start_offset = log_file.tell()
         self.process = subprocess.Popen(self.command(), env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                         preexec_fn=parent_death_signal(), start_new_session=True)
         self.watchdog = start_group_watchdog(self.process.pid)
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise UserError(f"the vLLM engine exited with code {self.process.returncode} while starting "
+                code = self.process.returncode
+                self.stop()
+                if _port_lost(self.port, self.config.log_path, start_offset):
+                    raise PortTaken(self.port)
+                raise UserError(f"the vLLM engine exited with code {code} while starting "
                                 f"({self.config.python}); its log: {self.config.log_path or 'not kept'}")
             try:
                 with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2):
