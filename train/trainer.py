@@ -121,16 +121,10 @@ class Trainer:
             raise UserError(f"the given engine serves {self._engine.config.model_dir}, but this run trains "
                             f"{self.model_dir}; give an engine on the same base model")
         if self._engine is None:
-            from lightning_otel.serve.engine import VLLMEngine
+            from lightning_otel.serve.engine import start_or_attach
 
-            engine = VLLMEngine(engine_config(self.config, self.model_dir, self.folder.path / "engine.log"))
-            if self.config.engine_url:
-                engine.attach(self.config.engine_url)
-            else:
-                log.info("starting the vLLM engine (about a minute on CPU)")
-                engine.start()
-                self._stack.callback(engine.stop)
-            self._engine = engine
+            self._engine = start_or_attach(engine_config(self.config, self.model_dir, self.folder.path / "engine.log"),
+                                           self.config.engine_url, self._stack)
         return self._engine
 
     def _serve(self, checkpoint: Path, version: int) -> None:

@@ -539,3 +539,16 @@ class VLLMEngine:
     def wake(self) -> None:
         if self.config.sleep_mode:
             self._post("/wake_up", {}, timeout=300)
+
+
+def start_or_attach(config: EngineConfig, engine_url: str | None, stack: contextlib.ExitStack) -> VLLMEngine:
+    """An engine for `config`: the server at `engine_url` when one is given, else a new one started here, which
+    `stack` stops when it closes."""
+    engine = VLLMEngine(config)
+    if engine_url:
+        engine.attach(engine_url)
+    else:
+        log.info("starting the vLLM engine (about a minute on CPU)")
+        engine.start()
+        stack.callback(engine.stop)
+    return engine

@@ -47,20 +47,13 @@ class Session:
     @property
     def engine(self) -> PolicyEngine:
         if self._engine is None:
-            from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+            from lightning_otel.serve.engine import EngineConfig, default_engine_python, start_or_attach
             from lightning_otel.serve.model import resolve_model
 
             c = self.config
             python = c.engine_python or default_engine_python()
-            engine = VLLMEngine(EngineConfig(model_dir=resolve_model(c.model, python), python=python,
-                                             log_path=self.folder / "engine.log"))
-            if c.engine_url:
-                engine.attach(c.engine_url)
-            else:
-                log.info("starting the vLLM engine (about a minute on CPU)")
-                engine.start()
-                self._stack.callback(engine.stop)
-            self._engine = engine
+            self._engine = start_or_attach(EngineConfig(model_dir=resolve_model(c.model, python), python=python,
+                                                        log_path=self.folder / "engine.log"), c.engine_url, self._stack)
         return self._engine
 
     def _agent_worker(self):
