@@ -77,10 +77,31 @@ SELECT trace_id, span_id, name, value, source, created_ns, author, comment FROM 
 WHERE rollout_id = $id ORDER BY created_ns
 """
 SQL_TASK = "SELECT fields::VARCHAR AS fields FROM tasks WHERE task_id = $id"
+# One rollout's transitions with the compiler's defaults (gamma 1, the episode reward, A over its (task, policy
+# version) group of runner records that ended ok), computed for its group only: the store's `transitions` view
+# computes every group first, seconds on a large store.
 SQL_STORE_TRANSITIONS = """
-SELECT rollout_id, task_id, attempt, policy_version, agent, turn, prompt_ids, completion_ids, completion_logprobs,
-       loss_mask, reward, "return", advantage, reward_name
-FROM transitions WHERE rollout_id = $id AND reward_name = $reward ORDER BY turn
+WITH me AS (SELECT task_id, policy_version FROM rollout_runs WHERE rollout_id = $id),
+members AS (
+    SELECT r.rollout_id FROM rollout_runs r, me
+    WHERE r.task_id = me.task_id AND r.policy_version IS NOT DISTINCT FROM me.policy_version
+      AND coalesce(r.status, 'ok') = 'ok'
+),
+scored AS (
+    SELECT w.rollout_id,
+           arg_max(w.value, (CASE w.source WHEN 'human' THEN 2 WHEN 'emitted' THEN 0 ELSE 1 END,
+                             coalesce(w.created_ns, 0), w.value)) AS reward
+    FROM rewards w JOIN members m ON m.rollout_id = w.rollout_id
+    WHERE w.span_id IS NULL AND w.name = $reward GROUP BY w.rollout_id
+),
+stats AS (SELECT avg(reward) AS mean, stddev_samp(reward) AS spread FROM scored)
+SELECT t.rollout_id, me.task_id, me.policy_version, NULL AS agent,
+       row_number() OVER (ORDER BY t.start_ns, t.span_id) - 1 AS turn, t.prompt_ids, t.completion_ids,
+       t.completion_logprobs::FLOAT[] AS completion_logprobs, s.reward, s.reward AS "return",
+       (s.reward - stats.mean) / (stats.spread + 1e-6) AS advantage
+FROM token_records t JOIN scored s ON s.rollout_id = t.rollout_id, me, stats
+WHERE t.rollout_id = $id AND stats.spread > 0 AND len(t.completion_ids) > 0
+ORDER BY turn
 """
 # A task's group: its rollouts by one policy version, each with its episode reward and last answer.
 SQL_GROUP = """

@@ -3,7 +3,8 @@ advantage (per token where the transitions carry `token_advantages`, else the tr
 token's id, logprob, loss mask and advantage in its title (shown on hover).
 
 Transitions come from `lightning-otel compile`'s Parquet when the viewer was given one (--transitions, or the
-run folder's transitions.parquet), else from the store's `transitions` view (the compiler's defaults). Token ids
+run folder's transitions.parquet), else from the store: the rollout's token records with the compiler's default
+credit over its group (queries.SQL_STORE_TRANSITIONS). Token ids
 become text through the model's tokenizer (default: the bundled model's)."""
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def transition_block(row: dict, texts: TokenText) -> str:
 def transitions_page(source: StoreSource, parquet: Path | None, texts: TokenText, rollout_id: str,
                      reward: str | None) -> str:
     frame = load_transitions(source, parquet, rollout_id, reward)
-    where = f"compiled transitions {parquet.name}" if parquet else f"the store's transitions view (reward {reward})"
+    where = f"compiled transitions {parquet.name}" if parquet else f"the store's token records, default credit (reward {reward})"
     back = link(rollout_url(rollout_id), "← the rollout")
     if not frame.height:
         exists = source.query(queries.fill(queries.SQL_RUN, id=literal(rollout_id))).height
