@@ -78,7 +78,8 @@ def store_conversation(url: str, rollout_id: str, token: str | None = None) -> N
                 "gen_ai.input.messages": json.dumps([{"role": "user", "parts": [
                     {"type": "text", "content": "How many singers <b>are</b> there?"}]}]),
                 "gen_ai.output.messages": json.dumps([{"role": "assistant", "parts": [
-                    {"type": "tool_call", "name": "run_sql", "arguments": {"query": "SELECT count(*) FROM singer"}}]}])}):
+                    {"type": "tool_call", "name": "run_sql",
+                     "arguments": {"query": "SELECT count(*) FROM singer"}}]}])}):
             pass
         with tracer.start_as_current_span("execute_tool run_sql", attributes={
                 **ids, "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "run_sql",
@@ -251,7 +252,9 @@ def test_a_live_store_needs_the_query_token_and_a_score_needs_the_admin_token(ma
                                 form(**{**score, "span_id": span}, admin_token="admin-token"), content)
         assert status == 200 and f"stored helpful = 0.5 for span {span}" in text
         assert fetch(viewer.url + "/", "POST", b"x=1", content)[0] == 405
-    collector.close()
+        collector.close()  # the viewer now reads the file, and still asks for the token it was opened with
+        assert fetch(viewer.url + "/")[0] == 401
+        assert "of 2 rollouts" in fetch(viewer.url + "/", headers=cookie)[2]
     with Viewer(ViewConfig(db=db_path, port=0)) as viewer:  # the file, read-only: no scores at all
         status, _, text = fetch(viewer.url + "/rollout/r1/feedback", "POST", form(**score, admin_token="admin-token"))
         assert status == 403 and "read-only" in text

@@ -77,7 +77,8 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], width: 
     points = [p for values in series.values() for p in values if p[1] is not None and math.isfinite(p[1])]
     ident = f' id="{esc(chart_id)}"' if chart_id else ""
     if not points:
-        return f'<figure class="chart"{ident}><figcaption>{esc(title)}</figcaption><p class="muted">no data</p></figure>'
+        return (f'<figure class="chart"{ident}><figcaption>{esc(title)}</figcaption><p class="muted">no data</p>'
+                f'</figure>')
     pad_l, pad_r, pad_t, pad_b = 48, 12, 12, 28
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1

@@ -53,15 +53,18 @@ def rollouts_page(source: StoreSource, params: dict[str, str], default_reward: s
     versions = [str(v) for v in source.query(queries.SQL_VERSIONS)["policy_version"].to_list()]
     frame = source.query(chosen.sql(reward))
     total = int(frame["total"][0]) if frame.height else 0
+    status_names = sorted(set(statuses["status"].to_list()) - {""})
+    error_classes = sorted(set(statuses["error_class"].to_list()) - {""})
+    version = None if chosen.version is None else str(chosen.version)
     form = (
         '<form class="filters" method="get" action="/">'
         f'<label>task <input name="task" value="{esc(chosen.task or "")}" size="14"></label>'
-        f'<label>status {_select("status", sorted(set(statuses["status"].to_list()) - {""}), chosen.status)}</label>'
-        f'<label>error class {_select("error_class", sorted(set(statuses["error_class"].to_list()) - {""}), chosen.error_class)}</label>'
+        f'<label>status {_select("status", status_names, chosen.status)}</label>'
+        f'<label>error class {_select("error_class", error_classes, chosen.error_class)}</label>'
         f'<label>reward {_select("reward", names, reward, blank="")}</label>'
         f'<label>from <input name="reward_min" value="{esc(fmt(chosen.reward_min))}" size="5"></label>'
         f'<label>to <input name="reward_max" value="{esc(fmt(chosen.reward_max))}" size="5"></label>'
-        f'<label>policy version {_select("version", versions, None if chosen.version is None else str(chosen.version))}</label>'
+        f'<label>policy version {_select("version", versions, version)}</label>'
         f'<label>agent <input name="agent" value="{esc(chosen.agent or "")}" size="12"></label>'
         f'<input type="hidden" name="sort" value="{esc(chosen.sort)}">'
         f'<input type="hidden" name="order" value="{"desc" if chosen.descending else "asc"}">'
@@ -152,7 +155,8 @@ def _part(part: Any) -> str:
         return (f'<div class="tool-call">→ {esc(part.get("name"))}(<code>{esc(_short(part.get("arguments", "")))}'
                 f'</code>)</div>')
     if kind == "tool_call_response":
-        return f'<div class="tool-result">← <code>{esc(_short(part.get("response", part.get("result", ""))))}</code></div>'
+        result = part.get("response", part.get("result", ""))
+        return f'<div class="tool-result">← <code>{esc(_short(result))}</code></div>'
     return f'<div class="text">{esc(_short(part.get("content", part)))}</div>'
 
 
@@ -164,22 +168,26 @@ def _span_detail(span: dict, attributes: dict, rewards: list[dict]) -> str:
         if isinstance(event, dict) and event.get("name") == "exception":
             details = event.get("attributes") or {}
             blocks.append(f'<pre class="error">{esc(details.get("exception.type"))}: '
-                          f'{esc(details.get("exception.message"))}\n{esc(details.get("exception.stacktrace", ""))}</pre>')
+                          f'{esc(details.get("exception.message"))}\n'
+                          f'{esc(details.get("exception.stacktrace", ""))}</pre>')
     for key, kind in (("gen_ai.system_instructions", "system"), ("gen_ai.input.messages", "input"),
                       ("gen_ai.output.messages", "output")):
         if attributes.get(key) is not None:
             blocks.append(f'<h4>{kind}</h4>' + render_messages(attributes[key], kind))
     for key in TOOL_KEYS:
         if attributes.get(key) is not None:
-            blocks.append(f'<div class="tool"><span class="key">{esc(key)}</span><pre>{esc(_short(attributes[key]))}</pre></div>')
+            blocks.append(f'<div class="tool"><span class="key">{esc(key)}</span>'
+                          f'<pre>{esc(_short(attributes[key]))}</pre></div>')
     if span["name"] == "lightning.generate":
-        prompt, completion = attributes.get("lightning.prompt.token_ids"), attributes.get("lightning.completion.token_ids")
+        prompt = attributes.get("lightning.prompt.token_ids")
+        completion = attributes.get("lightning.completion.token_ids")
         blocks.append(f'<div class="muted">token record: {len(prompt or [])} prompt, {len(completion or [])} '
                       f'completion tokens, policy version {esc(attributes.get("lightning.policy.version"))}</div>')
     for reward in rewards:
         blocks.append(_reward_badge(reward))
     shown = {k: v for k, v in attributes.items() if not k.startswith("lightning.") or "token_ids" not in k}
-    blocks.append(f'<details><summary>attributes</summary><pre>{esc(_short(orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode()))}</pre></details>')
+    dumped = orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode()
+    blocks.append(f'<details><summary>attributes</summary><pre>{esc(_short(dumped))}</pre></details>')
     return "".join(blocks)
 
 
@@ -220,7 +228,8 @@ def span_tree(spans: pl.DataFrame, rewards: pl.DataFrame) -> str:
         marks = "".join(f' <span class="reward-mark">★ {esc(r["name"])}={esc(fmt(r["value"]))}</span>'
                         for r in by_span.get(span["span_id"], []))
         out.append(
-            f'<details class="span {kind}" style="margin-left:{depth * 1.2:.1f}em" data-span-id="{esc(span["span_id"])}"'
+            f'<details class="span {kind}" style="margin-left:{depth * 1.2:.1f}em" '
+            f'data-span-id="{esc(span["span_id"])}"'
             f'{" open" if kind in ("llm", "tool") or status else ""}><summary>'
             f'<span class="name">{esc(span["name"])}</span>{status}{marks} '
             f'<span class="ms">{(end - start) / 1e6:.1f} ms</span>{timing_bar(start, end, first, last)}</summary>'
@@ -251,7 +260,8 @@ def rollout_page(source: StoreSource, rollout_id: str, notice: str = "") -> str:
     episode = [r for r in rewards.to_dicts() if not r["span_id"]]
     links = [link(rollout_url(rollout_id, "/transitions"), "its transitions (tokens by advantage)")]
     if facts.get("task_id") is not None:
-        links.append(link(url("/group", task=facts["task_id"], version=facts.get("policy_version")), "its task's group"))
+        group = url("/group", task=facts["task_id"], version=facts.get("policy_version"))
+        links.append(link(group, "its task's group"))
     tails = "".join(f'<details><summary>{name}</summary><pre>{esc(facts[name])}</pre></details>'
                     for name in ("stdout_tail", "stderr_tail") if facts.get(name))
     return (notice + f'<dl class="facts">{"".join(summary)}</dl><p>{" · ".join(links)}</p>'

@@ -152,7 +152,7 @@ def _text(params: dict[str, str], key: str) -> str | None:
     return value or None
 
 
-def _number(params: dict[str, str], key: str, integer: bool = False) -> float | int | None:
+def number(params: dict[str, str], key: str, integer: bool = False) -> float | int | None:
     raw = params.get(key, "").strip()
     if not raw:
         return None
@@ -186,13 +186,13 @@ class RolloutFilter:
         order = params.get("order") or "desc"
         if order not in ("asc", "desc"):
             raise BadRequest("order is asc or desc")
-        page = _number(params, "page", integer=True) or 0
+        page = number(params, "page", integer=True) or 0
         if not 0 <= page <= MAX_PAGE:
             raise BadRequest(f"page must be between 0 and {MAX_PAGE}")
-        version = _number(params, "version", integer=True)
+        version = number(params, "version", integer=True)
         return cls(task=_text(params, "task"), status=_text(params, "status"),
-                   error_class=_text(params, "error_class"), reward_min=_number(params, "reward_min"),
-                   reward_max=_number(params, "reward_max"), version=version, agent=_text(params, "agent"),
+                   error_class=_text(params, "error_class"), reward_min=number(params, "reward_min"),
+                   reward_max=number(params, "reward_max"), version=version, agent=_text(params, "agent"),
                    sort=sort, descending=order == "desc", page=int(page))
 
     def sql(self, reward: str | None) -> str:

@@ -32,7 +32,7 @@ def group_page(source: StoreSource, params: dict[str, str], default_reward: str 
     task = params.get("task")
     if not task:
         raise queries.BadRequest("give the task: /group?task=ID (and version=N)")
-    version = queries._number(params, "version", integer=True)
+    version = queries.number(params, "version", integer=True)
     reward, names = chosen_reward(source, params, default_reward)
     test = "r.policy_version IS NULL" if version is None else f"r.policy_version = {int(version)}"
     frame = source.query(queries.fill(queries.SQL_GROUP, task=literal(task), version_test=test,
@@ -54,7 +54,8 @@ def group_page(source: StoreSource, params: dict[str, str], default_reward: str 
         cards.append(
             f'<article class="sample {tone}" data-rollout-id="{esc(r["rollout_id"])}"><h3>sample {esc(r["attempt"])}'
             f' · {link(rollout_url(r["rollout_id"]), r["rollout_id"])}</h3>'
-            f'<p>reward <strong>{esc(fmt(r["reward"]))}</strong> · advantage <strong class="adv">{esc(fmt(a, 4))}</strong>'
+            f'<p>reward <strong>{esc(fmt(r["reward"]))}</strong> · '
+            f'advantage <strong class="adv">{esc(fmt(a, 4))}</strong>'
             f' · {esc(r["status"] or "–")} · {esc(fmt(r["duration_s"]))} s</p>'
             f'<p class="final">final output: <code>{esc(r["final_output"] or "–")}</code></p>'
             f'{render_messages(answer, "output") if answer else ""}'
@@ -130,8 +131,8 @@ def runs_page(run: Path | None) -> str:
 
 def compare_page(source: StoreSource, params: dict[str, str], default_reward: str | None) -> str:
     versions = [str(v) for v in source.query(queries.SQL_VERSIONS)["policy_version"].to_list()]
-    a = queries._number(params, "a", integer=True)
-    b = queries._number(params, "b", integer=True)
+    a = queries.number(params, "a", integer=True)
+    b = queries.number(params, "b", integer=True)
     reward, names = chosen_reward(source, params, default_reward)
     form = ('<form method="get" action="/compare">'
             + "".join(f'<label>{n} <select name="{n}">' + "".join(
@@ -161,5 +162,5 @@ def compare_page(source: StoreSource, params: dict[str, str], default_reward: st
                      f'<span class="{change}">{esc(change)}</span>'])
     return (form + f'<p id="paired">Version {esc(b)} against version {esc(a)} (reward {esc(reward)}): '
             f'{esc(paired_line(paired))}</p>'
-            + table(["task", f"right share, version {esc(a)}", f"right share, version {esc(b)}", f"{esc(b)} vs {esc(a)}"],
-                    rows, "compare"))
+            + table(["task", f"right share, version {esc(a)}", f"right share, version {esc(b)}",
+                     f"{esc(b)} vs {esc(a)}"], rows, "compare"))

@@ -32,6 +32,7 @@ class StoreSource:
                             f"(--db) or a run folder (--run)")
         self._lock = threading.Lock()
         self._reader: store.Reader | None = None
+        self._known_tokens: list[str] = []  # once seen live, pages keep needing its tokens after it stops
 
     def collector(self) -> discovery.CollectorInfo | None:
         """The live collector holding the store; None while the viewer reads the file itself."""
@@ -47,12 +48,16 @@ class StoreSource:
         return pl.from_arrow(self._reader.arrow(sql))  # type: ignore[return-value]
 
     def read_tokens(self) -> list[str]:
-        """Tokens of which a viewer request must carry one: the live collector's query and admin tokens; none
-        when the file is read directly or the collector's query role is open."""
+        """Tokens of which a viewer request must carry one: the live collector's query and admin tokens, still
+        asked for after that collector stops (the page stays as closed as it was); none for a file that no
+        collector held while the viewer ran, or when the collector's query role is open."""
         info = self.collector()
-        if info is None or "query" not in info.tokens:  # a role without a token is open (discovery.py)
+        if info is None:
+            return self._known_tokens
+        if "query" not in info.tokens:  # a role without a token is open (discovery.py)
             return []
-        return [t for t in (info.tokens.get("query"), info.tokens.get("admin")) if t]
+        self._known_tokens = [t for t in (info.tokens.get("query"), info.tokens.get("admin")) if t]
+        return self._known_tokens
 
     def write_feedback(self, score: Feedback, admin_token: str | None) -> dict:
         """Send a score to the live collector with the admin token the person gave; refused (UserError) without
