@@ -26,7 +26,7 @@ TEST_WORKERS ?= 1
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup,)
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup engine crewai phoenix demo dist test test-fast test-floors test-asan clean
+.PHONY: setup engine crewai phoenix browser demo dist test test-fast test-floors test-asan clean
 
 setup: $(VENV)/.installed
 
@@ -66,6 +66,18 @@ $(PHOENIX_VENV)/.installed: Makefile
 	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_QUIET) arize-phoenix==20.26.1
 	touch $@
 
+# Debian's chromium and its driver, for the viewer's browser tests (tests/test_viewer.py, driven by selenium).
+browser:
+	@if [ ! -x /usr/bin/chromedriver ]; then \
+		if command -v apt-get >/dev/null 2>&1; then \
+			apt-get update && apt-get install -y --no-install-recommends chromium chromium-driver; \
+		else \
+			echo "make browser: /usr/bin/chromedriver is missing and apt-get is not available here: install"; \
+			echo "chromium and its chromedriver with this system's package manager for the viewer's browser tests"; \
+			exit 1; \
+		fi; \
+	fi
+
 demo: setup engine
 	$(VENV)/bin/lightning-otel demo
 
@@ -76,7 +88,7 @@ dist:
 	rm -rf build dist
 	$(PY) -m pip wheel $(PIP_QUIET) --no-deps --no-build-isolation --disable-pip-version-check -w dist .
 
-test: setup engine crewai phoenix
+test: setup engine crewai phoenix browser
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) test-floors
 	$(MAKE) test-asan

@@ -24,3 +24,5 @@ def test_the_wheel_installs_runs_and_declares_both_licenses(tmp_path):
     for name in declared:
         assert any(n.endswith(f".dist-info/licenses/{name}") for n in names), name
     assert any(n.endswith("tasks/spider/data/database/singer/singer.sqlite") for n in names)
+    for asset in ("viewer.css", "viewer.js"):  # the viewer's page loads nothing from the network
+        assert f"lightning_otel/view/static/{asset}" in names, asset

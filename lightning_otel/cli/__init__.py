@@ -2,7 +2,7 @@
 
 One module per command group, each registering its subcommands beside their handlers, in the pipeline's order:
 store (collect, sql, ingest, export, feedback, prune, schema, tour), capture (run), rollouts (rollout), train
-(compile, train), evaluate (eval), policy (export-policy, serve), prompts (export-prompt), optimize, and the demo.
+(compile, train), evaluate (eval), view (the web viewer), policy (export-policy, serve), prompts (export-prompt), optimize, and the demo.
 Heavy modules are imported inside each command, so `lightning-otel --help` stays fast.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ import logging
 import sys
 
 from lightning_otel import __version__
-from lightning_otel.cli import capture, demo, evaluate, optimize, policy, prompts, rollouts, store, train
+from lightning_otel.cli import capture, demo, evaluate, optimize, policy, prompts, rollouts, store, train, view
 from lightning_otel.cli.quiet import quiet_third_parties
 from lightning_otel.errors import UserError
 
-GROUPS = (store, capture, rollouts, train, evaluate, policy, prompts, optimize, demo)
+GROUPS = (store, capture, rollouts, train, evaluate, view, policy, prompts, optimize, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
