@@ -298,7 +298,7 @@ def test_optimize_on_an_outside_endpoint_finds_a_winner_and_train_refuses_its_ro
     assert summary["best_key"] in {r["version"] for r in rows} and None in {r["version"] for r in rows}
     assert client.query("SELECT count(*) AS n FROM generations", db).to_dicts()[0]["n"] == 0
     # nothing to train on: every rollout is excluded, saying why, even with a tokenizer to re-tokenise with
-    frame, account = compile_transitions(CompileConfig(db=db, reward=REWARD, tokenizer="bundled"))
+    frame, account = compile_transitions(CompileConfig(db=db, reward=REWARD, model="bundled"))
     assert frame.height == 0 and account.excluded[FORWARDED] == summary["rollouts"]
     assert "outside endpoint (base_url) serve prompt optimisation" in account.why_none(REWARD)
 
