@@ -623,7 +623,8 @@ def test_grpo_under_an_optimised_prompt_reports_the_prompt_version_of_its_rounds
     prompt = tmp_path / "best_prompt.json"
     prompt.write_text(json.dumps({"patches": [{"id": "apo-answer", "version": "c0ffee", "target": {
         "system_sha256": fingerprint(SYSTEM)}, "action": {"append": "Answer with one word."}}]}))
-    config = small_config(tmp_path, tasks=str(kind_tasks(tmp_path / "kinds.jsonl", ["half", "half"])),
+    # always/never: no group varies, so the round takes no optimizer step (what is tested is what it ran under)
+    config = small_config(tmp_path, tasks=str(kind_tasks(tmp_path / "kinds.jsonl", ["always", "never"])),
                           agent=f"{REPO / 'tests' / 'helpers' / 'apo_agents.py'}:answer", prompt=str(prompt),
                           reward="tests.helpers.train_rewards:by_kind", n=2, tasks_per_round=2, max_tokens=4)
     engine.use_base()
@@ -634,11 +635,15 @@ def test_grpo_under_an_optimised_prompt_reports_the_prompt_version_of_its_rounds
     assert state.rounds_completed == 1 and record["prompt_versions"] == {"c0ffee": record["rollouts"]} == {"c0ffee": 4}
     assert (run / "prompt.json").read_text() == prompt.read_text()
     # the policy learned from the patched prompt: the records' prompt ids are those of the patched conversation
-    patched = load_patches(prompt).apply({"messages": [{"role": "system", "content": SYSTEM},
-                                                       {"role": "user", "content": "Say half."}]})[0]["messages"]
+    patches = load_patches(prompt)
+    expected = set()
+    for question in ("Say always.", "Say never."):
+        patched = patches.apply({"messages": [{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": question}]})[0]["messages"]
+        assert patched[0]["content"].endswith("Answer with one word.")
+        expected.add(tuple(engine.tokenize_chat({"messages": patched, "add_generation_prompt": True})["tokens"]))
     ids = client.query("SELECT prompt_ids FROM generations", run / "traces.duckdb").to_dicts()
-    assert {tuple(r["prompt_ids"]) for r in ids} == {tuple(engine.tokenize_chat(
-        {"messages": patched, "add_generation_prompt": True})["tokens"])}
+    assert {tuple(r["prompt_ids"]) for r in ids} == expected
     # a resumed run must find the patch file it started under
     prompt.write_text(prompt.read_text().replace("one word", "two words"))
     with pytest.raises(UserError, match="changed since this run started"):
