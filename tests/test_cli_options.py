@@ -35,8 +35,7 @@ def test_compile_names_its_tokenizer_and_lists_the_advantages(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_rollout_takes_the_sampling_settings_and_refuses_them_for_an_outside_endpoint(tmp_path):
-    from lightning_otel.cli.rollouts import cmd_rollout
+def test_rollout_takes_the_sampling_settings_also_for_an_outside_endpoint(tmp_path):
     from lightning_otel.rollouts.runner import RolloutConfig
 
     parser = build_parser()
@@ -45,12 +44,12 @@ def test_rollout_takes_the_sampling_settings_and_refuses_them_for_an_outside_end
     assert (args.max_tokens, args.temperature) == (64, 0.7)
     defaults = parser.parse_args(["rollout", "--tasks", "t.jsonl", "--agent", "a"])
     assert (defaults.max_tokens, defaults.temperature) == (None, None)
-    with pytest.raises(UserError, match="applied by the gateway"):
-        RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", base_url="http://127.0.0.1:9/v1", temperature=0.7)
-    outside = parser.parse_args(["rollout", "--tasks", str(tmp_path / "t.jsonl"), "--agent", "a", "--base-url",
-                                 "http://127.0.0.1:9/v1", "--max-tokens", "64"])
-    with pytest.raises(UserError, match="max_tokens and temperature"):
-        cmd_rollout(outside)
+    # An outside endpoint gets them too: the gateway that forwards to it sets them as request parameters.
+    outside = RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", base_url="http://127.0.0.1:9/v1", temperature=0.7,
+                            max_tokens=64, base_model="gpt-x")
+    assert (outside.temperature, outside.max_tokens, outside.model_name) == (0.7, 64, "gpt-x")
+    with pytest.raises(UserError, match="give base_url too"):
+        RolloutConfig(tasks=tmp_path / "t.jsonl", agent="a", api_key_env="OPENAI_API_KEY")
 
 
 def test_the_chat_template_option_is_one_file_everywhere(tmp_path):

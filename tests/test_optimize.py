@@ -19,8 +19,6 @@ real. The test fails if the optimiser does nothing: the best validation score mu
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -34,7 +32,7 @@ from lightning_otel.train.apo.config import OptimizeConfig, load_optimize_config
 from lightning_otel.train.apo.demos import demo_pool, demo_sets
 from lightning_otel.train.apo.evaluation import TaskResult
 from lightning_otel.train.apo.optimizer import Optimizer, split_tasks
-from tests.helpers.apo_agents import SYSTEM
+from tests.helpers.apo_agents import SYSTEM, StandInReflector
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = f"{REPO / 'tests' / 'helpers' / 'apo_agents.py'}:answer"
@@ -205,39 +203,6 @@ def test_a_stopped_run_continues_without_running_an_evaluation_twice(tmp_path):
 
 
 # ---- end to end: real rollouts through the gateway ----------------------------------------------------------
-
-class StandInReflector:
-    """A tiny OpenAI-compatible chat server (module docstring): every answer is the fixed instruction."""
-
-    def __init__(self, answer: str):
-        self.prompts: list[str] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.prompts.append(body["messages"][-1]["content"])
-                reply = json.dumps({"id": "r", "object": "chat.completion", "created": 0, "model": body["model"],
-                                    "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                                        "role": "assistant", "content": f"Here it is:\n```\n{answer}\n```"}}],
-                                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply.encode())
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
 
 @pytest.fixture(scope="module")
 def optimised(engine, tmp_path_factory):

@@ -611,3 +611,40 @@ print(os.environ["MASTER_PORT"], inherited, kept)
     parent_port, inherited, kept = out.stdout.split()
     assert inherited != parent_port  # a lightning-otel parent's port is not reused
     assert kept == parent_port  # a launcher's settings are kept
+
+
+def test_grpo_under_an_optimised_prompt_reports_the_prompt_version_of_its_rounds(engine, tmp_path):
+    # APO then RL: a patch file (as `optimize` writes best_prompt.json) stays applied during the rounds' rollouts,
+    # the gateway records carry its version, and the round's record says which prompt version it ran under.
+    from lightning_otel.serve.prompts import fingerprint, load_patches
+    from lightning_otel.train.trainer import keep_prompt
+    from tests.helpers.apo_agents import SYSTEM
+
+    prompt = tmp_path / "best_prompt.json"
+    prompt.write_text(json.dumps({"patches": [{"id": "apo-answer", "version": "c0ffee", "target": {
+        "system_sha256": fingerprint(SYSTEM)}, "action": {"append": "Answer with one word."}}]}))
+    # always/never: no group varies, so the round takes no optimizer step (what is tested is what it ran under)
+    config = small_config(tmp_path, tasks=str(kind_tasks(tmp_path / "kinds.jsonl", ["always", "never"])),
+                          agent=f"{REPO / 'tests' / 'helpers' / 'apo_agents.py'}:answer", prompt=str(prompt),
+                          reward="tests.helpers.train_rewards:by_kind", n=2, tasks_per_round=2, max_tokens=4)
+    engine.use_base()
+    with Trainer(config, engine=engine) as trainer:
+        state = trainer.run()
+    run = Path(config.output_dir)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert state.rounds_completed == 1 and record["prompt_versions"] == {"c0ffee": record["rollouts"]} == {"c0ffee": 4}
+    assert (run / "prompt.json").read_text() == prompt.read_text()
+    # the policy learned from the patched prompt: the records' prompt ids are those of the patched conversation
+    patches = load_patches(prompt)
+    expected = set()
+    for question in ("Say always.", "Say never."):
+        patched = patches.apply({"messages": [{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": question}]})[0]["messages"]
+        assert patched[0]["content"].endswith("Answer with one word.")
+        expected.add(tuple(engine.tokenize_chat({"messages": patched, "add_generation_prompt": True})["tokens"]))
+    ids = client.query("SELECT prompt_ids FROM generations", run / "traces.duckdb").to_dicts()
+    assert {tuple(r["prompt_ids"]) for r in ids} == expected
+    # a resumed run must find the patch file it started under
+    prompt.write_text(prompt.read_text().replace("one word", "two words"))
+    with pytest.raises(UserError, match="changed since this run started"):
+        keep_prompt(prompt, run, resumed=True)

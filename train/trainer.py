@@ -10,7 +10,8 @@ the engine as policy version r. An optional SFT warm start runs before round 1 (
 
 The run folder: config.toml (resolved config), run.json (progress: rounds completed, last and best
 checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
-steps.jsonl, the trackers' folders (tensorboard/, wandb/, mlruns/; trackers.json), reward_curve.png,
+steps.jsonl, prompt.json (with `prompt`: the patch file the rollouts ran under; each round's record lists
+the prompt versions its gateway records carry, `prompt_versions`), the trackers' folders (tensorboard/, wandb/, mlruns/; trackers.json), reward_curve.png,
 traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model, state}, pool.jsonl (with
 pool_min_pass / pool_max_pass: every task's pass rate under the starting policy and whether the rounds use it);
 while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*; train/sft.py).
@@ -30,6 +31,7 @@ from typing import Callable
 import torch
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.prompts import VERSION_ATTRIBUTE
 from lightning_otel.rollouts.packs import pack_for_reward
 from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts, write_tasks
 from lightning_otel.serve.engine import PolicyEngine
@@ -92,6 +94,8 @@ class Trainer:
         # A resumed run keeps the hub commit it started on, even if the model's branch has moved since.
         resumed_hub = self.state is not None and parse_hub_id(self.state.model) is not None
         self.model_dir = resolve_model(self.state.model if resumed_hub else c.model, python)
+        if c.prompt:
+            keep_prompt(Path(c.prompt).expanduser(), self.folder.path, resumed=self.state is not None)
         c.save(self.folder.path / "config.toml")
         log.info("train config:\n%s", render_toml(c))
         self.collector = collector = Collector(private_config(self.db))  # agents get its ingest token only
@@ -308,12 +312,15 @@ class Trainer:
                            f"FILTER (WHERE policy_version IS NOT NULL) AS versions "
                            f"FROM trajectory_calls WHERE rollout_id IN ({listed})", self.db).to_dicts()[0]
         return {"transitions_per_episode": row["calls"] / row["episodes"] if row["episodes"] else None,
-                "served_policy_versions": [int(v) for v in row["versions"] or []]}
+                "served_policy_versions": [int(v) for v in row["versions"] or []],
+                "prompt_versions": prompt_versions(self.db, listed)}
 
     def validate(self, state: RunState) -> dict:
         """One rollout of every validation task at `val_temperature` (greedy by default: a policy that did not
         change scores the same, so a move in the curve is the policy's). Accuracy is the share of rollouts whose
         reward reached 1 (a correct answer, for 0/1 rewards such as spider_exec)."""
+        from lightning_otel.span_store import client
+
         c = self.config
         tasks = load_tasks(Path(c.val_tasks))
         summary = self.rollouts(write_tasks(tasks, self.folder.path / "rounds" / "validation.jsonl"), 1,
@@ -322,8 +329,37 @@ class Trainer:
         mean = sum(rewards) / len(rewards) if rewards else None
         if state.last and mean is not None and (state.best_metric is None or mean > state.best_metric):
             state.best, state.best_metric = state.last, mean
+        listed = ", ".join(client.sql_literal(r.rollout_id) for r in summary.results)
         return {"val_reward_mean": mean, "val_accuracy": sum(x >= 1.0 for x in rewards) / len(rewards) if rewards
-                else None, "val_rewarded": len(rewards), "val_rollouts": len(summary.results)}
+                else None, "val_rewarded": len(rewards), "val_rollouts": len(summary.results),
+                "val_prompt_versions": prompt_versions(self.db, listed) if listed else {}}
+
+
+# The prompt version of every gateway record of some rollouts ("base": no patch applied), with its calls.
+SQL_PROMPT_VERSIONS = f"""
+SELECT coalesce(json_extract_string(attributes, '$."{VERSION_ATTRIBUTE}"'), 'base') AS version, count(*) AS calls
+FROM spans WHERE name = 'lightning.generate' AND rollout_id IN ($listed) GROUP BY 1 ORDER BY 1
+"""
+
+
+def prompt_versions(db: Path, listed: str) -> dict[str, int]:
+    """{prompt version: calls} over the rollouts `listed` (SQL literals), from the gateway's records: which
+    prompt the policy was served under (`prompt`, docs/prompts.md); {"base": calls} when no patch applied."""
+    from lightning_otel.span_store import client
+
+    rows = client.query(SQL_PROMPT_VERSIONS.replace("$listed", listed), db).to_dicts()
+    return {row["version"]: int(row["calls"]) for row in rows}
+
+
+def keep_prompt(prompt: Path, folder: Path, resumed: bool) -> None:
+    """Keep the run's patch file as <run>/prompt<suffix>, so the run says which prompt it trained under; a resumed
+    run must find the file as it was (its earlier rounds ran under it)."""
+    kept = folder / f"prompt{prompt.suffix or '.json'}"
+    text = prompt.read_text(encoding="utf-8")
+    if resumed and kept.is_file() and kept.read_text(encoding="utf-8") != text:
+        raise UserError(f"the prompt patch file {prompt} changed since this run started in {folder}: its rounds so far "
+                        f"ran under the copy {kept}; restore the file (cp {kept} {prompt}) or give a new output_dir")
+    kept.write_text(text, encoding="utf-8")
 
 
 def engine_config(config: TrainConfig, model_dir: Path, log_path: Path | None = None):

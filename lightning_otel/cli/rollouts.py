@@ -14,6 +14,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
     config = RolloutConfig(tasks=args.tasks, agent=args.agent, n=args.n, concurrency=args.concurrency, db=args.db,
                            base_url=args.base_url, api_key=args.api_key, model=args.model,
+                           api_key_env=args.api_key_env, base_model=args.base_model,
                            model_name=args.model_name, reward=args.reward, task_pack=args.task_pack,
                            data_dir=args.data_dir, rollout_timeout_s=args.rollout_timeout,
                            max_tokens=args.max_tokens, temperature=args.temperature,
@@ -47,8 +48,12 @@ def register(sub) -> None:
                                    "base (the bundled SmolLM2-135M-Instruct, the default), a training run folder "
                                    "(its best checkpoint), a checkpoint, a LoRA adapter, a model folder or a "
                                    "Hugging Face hub id (org/name or org/name@revision)")
-    p.add_argument("--base-url", help="instead of serving --model: an outside OpenAI-compatible endpoint the "
-                                      "agents call (no token records)")
+    p.add_argument("--base-url", help="instead of serving --model: an outside OpenAI-compatible endpoint (a closed "
+                                      "model) the gateway forwards the agents' calls to, with --prompt applied, "
+                                      "recorded as text (no token ids)")
+    p.add_argument("--base-model", help="with --base-url: the model name every call is sent with (and {model})")
+    p.add_argument("--api-key-env", help="with --base-url: the environment variable holding its key (default: the "
+                                         "agents' own key goes through)")
     p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")
     p.add_argument("--model-name", default="policy", help="model name for {model} and LIGHTNING_MODEL "
                                                           "(the gateway serves the policy under any name)")

@@ -5,7 +5,9 @@
 
 With no --base-url, the runner serves the policy (the bundled model, or --model: a run, checkpoint, adapter or
 model folder) with the vLLM engine behind the token-recording gateway, and points each agent at its own
-gateway prefix.
+gateway prefix. With --base-url (an outside OpenAI-compatible endpoint: a closed model), the gateway forwards each
+agent's chat calls there instead, applying the prompt patch, the temperature and the token cap, and records them
+as text (lightning_otel.serve.forward; no token ids, so no training on them).
 
 Each rollout is a subprocess under `opentelemetry-instrument` with our distro, given (DESIGN §7):
 OPENAI_BASE_URL, OPENAI_API_KEY, OTEL_RESOURCE_ATTRIBUTES (lightning.rollout.id, lightning.task.id,
@@ -77,8 +79,10 @@ class RolloutConfig:
     n: int = 4
     concurrency: int = 2
     db: Path = Path("traces.duckdb")
-    base_url: str | None = None
-    api_key: str | None = None
+    base_url: str | None = None  # an outside OpenAI-compatible endpoint the gateway forwards to (closed models)
+    api_key: str | None = None  # OPENAI_API_KEY given to the agents (with base_url, forwarded unless api_key_env)
+    api_key_env: str | None = None  # with base_url: the environment variable holding the endpoint's key
+    base_model: str | None = None  # with base_url: the model name sent there (and given to the agents as {model})
     model: str | None = None
     model_name: str = "policy"
     reward: str | None = None
@@ -118,9 +122,10 @@ class RolloutConfig:
             raise UserError(f"temperature {self.temperature} must be in [0, 2]")
         if not self.agent.strip():
             raise UserError("agent is empty: give the command that runs your agent, or module:function")
-        if self.base_url is not None and (self.max_tokens is not None or self.temperature is not None):
-            raise UserError("max_tokens and temperature are applied by the gateway that serves model; an outside "
-                            "base_url samples as each request asks: leave them out, or serve the policy here")
+        if self.base_url is None and (self.api_key_env or self.base_model):
+            raise UserError("api_key_env and base_model are for an outside endpoint: give base_url too")
+        if self.base_model is not None and self.model_name == "policy":
+            self.model_name = self.base_model  # the agents name the model the endpoint serves
         if self.chat_template is not None:
             self.chat_template = Path(self.chat_template)
             if self.base_url is not None:
@@ -131,9 +136,6 @@ class RolloutConfig:
         self.prompts: PromptPatches | None = None
         if self.prompt is not None:
             self.prompt = Path(self.prompt)
-            if self.base_url is not None:
-                raise UserError("prompt patches are applied by the gateway that serves model; an outside base_url "
-                                "gets the agent's own prompts: leave prompt out, or serve the policy here")
             self.prompts = load_patches(self.prompt)  # a bad file fails here, before anything starts
         if self.tool_format is not None:
             if self.base_url is not None:
@@ -142,7 +144,7 @@ class RolloutConfig:
             known_tool_format(self.tool_format)
         if self.base_url is not None and self.model is not None:
             raise UserError("give model (served here through the gateway) or base_url (an outside "
-                            "OpenAI-compatible server, no token records), not both")
+                            "OpenAI-compatible server the gateway forwards to, recorded as text), not both")
 
 
 @dataclass
@@ -496,13 +498,9 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
             owned.callback(collector.close)
             info = collector.info
         policy_version, script = 0, None
-        if config.base_url is not None:
-            def base_url_for(rollout_id: str) -> str:
-                return config.base_url  # type: ignore[return-value]
-        else:
-            gateway = start_gateway(config, info, engine, owned)
-            policy_version = gateway.engine.policy_version
-            base_url_for, script = gateway.base_url, gateway.script
+        gateway = start_gateway(config, info, engine, owned)
+        policy_version = gateway.engine.policy_version
+        base_url_for, script = gateway.base_url, gateway.script
 
         def spans_of(rollout_id: str) -> list[dict]:
             return client.query(f"SELECT * FROM spans WHERE rollout_id = {client.sql_literal(rollout_id)} "
@@ -515,8 +513,8 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
 
 
 def start_gateway(config: RolloutConfig, collector_info, engine, owned):
-    """The gateway over `engine`, or over a vLLM engine started here serving config.model: a policy as eval and
-    serve take it (the bundled model by default, a run folder's best checkpoint, a checkpoint, an adapter or a
+    """The gateway forwarding to config.base_url (an outside endpoint), or over `engine`, or over a vLLM engine
+    started here serving config.model: a policy as eval and serve take it (the bundled model by default, a run folder's best checkpoint, a checkpoint, an adapter or a
     model folder: lightning_otel.serve.policy)."""
     from lightning_otel.serve.chat_tools import read_chat_template, template_tools
     from lightning_otel.serve.engine import default_engine_python
@@ -524,6 +522,18 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
     from lightning_otel.serve.policy import resolve_policy
     from lightning_otel.serve.serving import engine_for_policy
 
+    if config.base_url is not None:
+        if engine is not None:
+            raise ValueError("an engine and base_url: the gateway answers with one of them")
+        gateway = Gateway(None, GatewayConfig(collector_url=collector_info.url,
+                                              collector_token=collector_info.ingest_token,
+                                              max_tokens_cap=config.max_tokens, temperature=config.temperature,
+                                              max_calls_per_rollout=config.max_calls, prompts=config.prompts,
+                                              forward_url=config.base_url, forward_api_key_env=config.api_key_env,
+                                              forward_model=config.base_model))
+        gateway.start()
+        owned.callback(gateway.close)
+        return gateway
     if engine is None:
         python = default_engine_python()
         engine = engine_for_policy(resolve_policy(config.model or "base", python), None, owned, python)

@@ -31,6 +31,11 @@ targets reaches the engine with the patch applied (system text replaced or exten
 its record carries `lightning.prompt.version` and `lightning.prompt.patch_id`, and its prompt ids are the
 patched prompt's. Legacy completions have no system message and are never patched.
 
+Closed models (`GatewayConfig.forward_url`, forward.py): chat and Responses calls go to an outside
+OpenAI-compatible endpoint instead of the engine, with the patch applied, the temperature and token cap forced as
+request parameters, and are recorded as text (`lightning.forward` spans: no token ids, never trained on). Tools,
+tool calls and streams pass through as the endpoint gives them; legacy completions are refused.
+
 Scripted rollouts (`script()`): the calls of one rollout are answered, in order, with given texts instead of
 samples, so an agent can be walked along a labelled path (the SFT warm start's demonstrations). The engine
 still sees each prompt (generating one token), so the recorded prompt ids are exact; the record carries the
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -50,7 +56,7 @@ from opentelemetry.propagate import extract
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
@@ -58,6 +64,7 @@ from lightning_otel.httpserver import ConnectionLimits, check_exposure
 from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choice, plan_tools, template_tools,
                                              with_opening)
 from lightning_otel.serve.engine import Engine, EngineError
+from lightning_otel.serve import forward
 from lightning_otel.serve.gateway_http import GatewayHandler, GatewayServer
 from lightning_otel.serve import responses
 from lightning_otel.serve.prompts import PromptPatch, PromptPatches
@@ -120,6 +127,13 @@ class GatewayConfig:
     # Prompt patches (prompts.py): chat and Responses calls whose system message a patch targets reach the engine
     # patched, and their records carry the patch's version and id.
     prompts: PromptPatches | None = None
+    # Closed models (forward.py): an outside OpenAI-compatible endpoint (its base URL, .../v1) that answers instead
+    # of an engine; the environment variable with its key (None: the agent's own Authorization header goes
+    # through); the model name every call is sent with (None: the agent's); seconds one read of its answer may wait.
+    forward_url: str | None = None
+    forward_api_key_env: str | None = None
+    forward_model: str | None = None
+    forward_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template.strip()):
@@ -141,6 +155,25 @@ class GatewayConfig:
             raise UserError("prompts: give PromptPatches (lightning_otel.serve.prompts.load_patches(path)) or None")
         if not self.insecure_no_auth:
             check_exposure(self.host, self.api_key is not None, "give an API key (--api-key)")
+        if self.forward_url is not None:
+            self._check_forwarding()
+
+    def _check_forwarding(self) -> None:
+        if not (isinstance(self.forward_url, str) and self.forward_url.startswith(("http://", "https://"))):
+            raise UserError(f"forward_url {self.forward_url!r}: give the outside endpoint's base URL, like "
+                            "https://api.openai.com/v1")
+        if self.chat_template is not None:
+            raise UserError("chat_template is the engine's: an outside endpoint renders prompts its own way; leave it "
+                            "out when forwarding")
+        if not (isinstance(self.forward_timeout_s, (int, float)) and self.forward_timeout_s > 0):
+            raise UserError(f"forward_timeout_s={self.forward_timeout_s!r}: give a positive number of seconds")
+        if self.forward_api_key_env is not None and not os.environ.get(self.forward_api_key_env):
+            raise UserError(f"the environment variable {self.forward_api_key_env} (the outside endpoint's key) is not "
+                            f"set: set it, or name another (api_key_env)")
+        if self.api_key is not None and self.forward_api_key_env is None:
+            raise UserError("this gateway has its own API key, which agents send as their Authorization header: name "
+                            "the environment variable with the outside endpoint's key (api_key_env) so that the "
+                            "gateway's key is never sent on")
 
 
 @dataclass
@@ -159,8 +192,13 @@ class ChatCall:
 
 
 class Gateway:
-    def __init__(self, engine: Engine, config: GatewayConfig):
-        self.engine = engine
+    def __init__(self, engine: Engine | None, config: GatewayConfig):
+        """`engine`: what answers; None when the config forwards to an outside endpoint (forward_url)."""
+        self.outside = None if config.forward_url is None else forward.Outside(
+            config.forward_url, config.forward_api_key_env, config.forward_model, config.forward_timeout_s)
+        if (engine is None) == (self.outside is None):
+            raise ValueError("give an engine, or a config with forward_url, not both")
+        self.engine: Engine = engine if engine is not None else self.outside  # type: ignore[assignment]
         self.config = config
         self.format: ToolFormat = tool_format(config.tool_format)
         self.provider = TracerProvider(resource=Resource.create({"service.name": "lightning-gateway"}))
@@ -273,6 +311,8 @@ class Gateway:
 
     def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None, response_id: str | None = None) -> dict:
         """A chat completion, whole (`response_id`: a Responses call's id, to record it under)."""
+        if self.outside is not None:
+            return self._forward(body, headers, rollout_id, response_id, stream=False)
         return self._whole_chat(self._chat_call(body, headers, rollout_id, response_id))
 
     def chat_stream(self, body: dict, headers: dict[str, str], rollout_id: str | None,
@@ -280,6 +320,8 @@ class Gateway:
         """A chat completion as stream chunks, sampled as they go out (streaming.py). A request the gateway or
         the engine refuses raises here, before any chunk. A forced call shows nothing until it is parsed and a
         scripted answer is not sampled: both are made whole and replayed as chunks."""
+        if self.outside is not None:
+            return self._forward(body, headers, rollout_id, response_id, stream=True)
         call = self._chat_call(body, headers, rollout_id, response_id)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if call.plan.must_call or call.scripted is not None:
@@ -396,9 +438,47 @@ class Gateway:
         return responses.stream(body, self.responses, lambda chat_body, response_id: self.chat_stream(
             chat_body, headers, rollout_id, response_id))
 
+    # ---- closed models: forwarded to an outside endpoint ------------------------------------------------
+
+    def _forward(self, body: dict, headers: dict[str, str], rollout_id: str | None, response_id: str | None,
+                 stream: bool) -> dict | forward.ForwardStream:
+        """A chat call answered by the outside endpoint (forward.py): checked, patched, counted, the run's
+        temperature and token cap forced, recorded as text."""
+        check_chat(body, self.config.max_n)
+        request, patch = self.config.prompts.apply(body) if self.config.prompts is not None else (body, None)
+        if self._count_call(rollout_id) is not None:
+            raise BadRequest("scripted answers need an engine: this gateway forwards to an outside endpoint")
+        requested_model = str(body.get("model") or self.outside.model_name)  # type: ignore[union-attr]
+        request = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
+        if self.outside.model:  # type: ignore[union-attr]
+            request["model"] = self.outside.model  # type: ignore[union-attr]
+        if self.config.max_tokens_cap is not None and request.get("max_tokens") is None \
+                and request.get("max_completion_tokens") is None:
+            request["max_tokens"] = self.config.max_tokens_cap
+        self._apply_overrides(request)
+        base = forward.call_attributes(self.outside, request, requested_model, rollout_id, patch)  # type: ignore[arg-type]
+
+        def record(attributes: dict, started: int, ended: int, error: str | None, message: str | None) -> None:
+            span = self.tracer.start_span(forward.FORWARD_SPAN, context=extract(headers), kind=SpanKind.SERVER,
+                                          start_time=started, attributes=attributes)
+            if error is not None:
+                span.set_attribute("error.type", error)
+                span.set_status(Status(StatusCode.ERROR, (message or error)[:1000]))
+            span.end(end_time=ended)
+
+        if stream:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return forward.forward_stream(self.outside, request, headers, base, record,  # type: ignore[arg-type]
+                                          requested_model, include_usage, response_id)
+        return forward.forward_whole(self.outside, request, headers, base, record, response_id)  # type: ignore[arg-type]
+
     # ---- legacy completions ----------------------------------------------------------------------------
 
     def complete(self, body: dict, headers: dict[str, str], rollout_id: str | None) -> dict:
+        if self.outside is not None:
+            raise BadRequest("this gateway forwards to an outside endpoint and passes on chat completions and the "
+                             "Responses API only: legacy /v1/completions are not forwarded; call "
+                             "/v1/chat/completions", "prompt")
         check_completion(body, self.config.max_n)
         stripped = self._off_policy(body, rollout_id)
         scripted = self._count_call(rollout_id)

@@ -126,6 +126,12 @@ class GatewayHandler(KeepAliveHandler):
             _, path = self._route()
         except BadRequest as exc:
             return self._error(exc.status, exc.message, param=exc.param)
+        if path in ("/v1/models", "/models") and self.server.gateway.outside is not None:
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            try:
+                return self._json(200, self.server.gateway.outside.models(headers))
+            except EngineError as exc:
+                return self._json(exc.status, exc.body)
         if path in ("/v1/models", "/models"):
             engine = self.server.gateway.engine
             return self._json(200, {"object": "list", "data": [

@@ -2,6 +2,10 @@
 answer a reward can judge by a word the instruction asks for."""
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 SYSTEM = "You are a helpful assistant. Answer the question briefly."
 
 
@@ -16,3 +20,37 @@ def answer(task: dict, llm) -> str:
 def says_banana(task: dict, rollout: dict) -> float:
     """1 when the final answer contains the word banana (any case): easy to get by asking for it."""
     return float("banana" in (rollout.get("final_output") or "").lower())
+
+
+class StandInReflector:
+    """A tiny OpenAI-compatible chat server on 127.0.0.1 that answers every reflection prompt with one fixed
+    instruction (a strong reflection model cannot run here; tests/test_optimize.py says why)."""
+
+    def __init__(self, answer: str):
+        self.prompts: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.prompts.append(body["messages"][-1]["content"])
+                reply = json.dumps({"id": "r", "object": "chat.completion", "created": 0, "model": body["model"],
+                                    "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                        "role": "assistant", "content": f"Here it is:\n```\n{answer}\n```"}}],
+                                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply.encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()

@@ -47,6 +47,11 @@ class OptimizeConfig:
     engine_url: str = ""              # a vLLM server already running on this machine, instead of starting one
     chat_template: str = ""           # a Jinja chat template file the gateway renders prompts with
     tool_format: str = ""             # the call syntax (hermes, llama3_json, ...; empty: detected)
+    # or a closed model: an outside OpenAI-compatible endpoint the gateway forwards every call to (the patch
+    # applied, recorded as text; no engine starts)
+    base_url: str = ""                # e.g. https://api.openai.com/v1 (empty: serve `model` here)
+    base_model: str = ""              # the model name every call is sent with, and the agents' {model}
+    api_key_env: str = ""             # the environment variable with its key (empty: the agents' own key goes through)
     output_dir: str = "runs/optimize"
     # how a candidate is evaluated: n rollouts of every task of a split, scored by the mean reward
     n: int = 1                        # samples per task (mean reward; a rollout without a reward counts 0)
@@ -95,6 +100,14 @@ class OptimizeConfig:
              f"without reflection_url the served policy reflects"),
             (not self.tool_format or self.tool_format in FORMATS,
              f"tool_format = {self.tool_format!r}: choose one of {', '.join(FORMATS)}"),
+            (not self.base_url or self.base_url.startswith(("http://", "https://")),
+             f"base_url = {self.base_url!r}: give the outside endpoint's base URL, like https://api.openai.com/v1"),
+            (not self.base_url or not (self.engine_url or self.chat_template or self.tool_format
+                                       or self.model != "bundled"),
+             "base_url runs the agent on an outside endpoint: model, engine_url, chat_template and tool_format are for "
+             "a policy served here; leave them out"),
+            (self.base_url or not (self.base_model or self.api_key_env),
+             "base_model and api_key_env are for an outside endpoint: give base_url too"),
             (not self.chat_template or Path(self.chat_template).expanduser().is_file(),
              f"chat_template = {self.chat_template}: no such file"),
         ]

@@ -206,9 +206,9 @@ def optimize(config: OptimizeConfig, engine: PolicyEngine | None = None, progres
     split_tasks(config)
     with Session(config, folder, engine) as session:
         if reflection_lm is None and config.uses_reflection:
-            url, model = (config.reflection_url, config.reflection_model) if config.reflection_url \
-                else session.reflection_url()
-            reflection_lm = reflection_model(url, model, config.reflection_api_key_env, config.reflection_max_tokens,
+            url, model, key_env = (config.reflection_url, config.reflection_model, config.reflection_api_key_env) \
+                if config.reflection_url else session.reflection_url()
+            reflection_lm = reflection_model(url, model, key_env, config.reflection_max_tokens,
                                              config.reflection_temperature, folder / "reflections.jsonl")
         optimizer = Optimizer(config, session.run_batch, lambda ids: read_calls(session.db, ids),
                               lambda ids: discover_components(session.db, ids, config.agents), reflection_lm,

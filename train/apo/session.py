@@ -1,5 +1,5 @@
 """What the optimiser runs on: the run's store (a collector on `<output_dir>/traces.duckdb`), the engine that
-serves the policy, and, for an agent function, one worker process for every rollout. `run_batch` runs the
+serves the policy (none for an outside endpoint, `base_url`: the gateway forwards to it), and, for an agent function, one worker process for every rollout. `run_batch` runs the
 rollouts of one candidate through a gateway that applies the candidate's patch (lightning_otel.rollouts.runner),
 and reports each task's result as soon as its `n` rollouts are scored.
 """
@@ -74,7 +74,8 @@ class Session:
                              rollout_timeout_s=c.rollout_timeout_s, max_tokens=c.max_tokens,
                              temperature=c.temperature, work_dir=self.folder / "work",
                              chat_template=Path(c.chat_template) if c.chat_template else None,
-                             tool_format=c.tool_format or None, prompt=patch)
+                             tool_format=c.tool_format or None, prompt=patch, base_url=c.base_url or None,
+                             base_model=c.base_model or None, api_key_env=c.api_key_env or None)
 
     def run_batch(self, key: str, patch: Path | None, tasks: list[Task],
                   report: Callable[[TaskResult], None]) -> None:
@@ -97,13 +98,17 @@ class Session:
                               statuses=[r.status for r in got],
                               errors=[r.stderr_tail[-300:] for r in got if r.status != "ok" and r.stderr_tail]))
 
-        run_rollouts(self.rollout_config(tasks_file, patch), progress, engine=self.engine,
-                     worker=self._agent_worker())
+        run_rollouts(self.rollout_config(tasks_file, patch), progress,
+                     engine=None if self.config.base_url else self.engine, worker=self._agent_worker())
 
-    def reflection_url(self) -> tuple[str, str]:
-        """The served policy's own OpenAI-compatible endpoint and model name (the default reflection model)."""
+    def reflection_url(self) -> tuple[str, str, str]:
+        """The default reflection model: the model the agent runs on (the served policy's own endpoint, or the
+        outside one), its model name, and the environment variable with its key."""
+        c = self.config
+        if c.base_url:
+            return c.base_url, c.base_model, c.api_key_env or c.reflection_api_key_env
         engine = self.engine
-        return f"{engine.url}/v1", engine.model_name  # type: ignore[attr-defined]
+        return f"{engine.url}/v1", engine.model_name, c.reflection_api_key_env  # type: ignore[attr-defined]
 
 
 __all__ = ["Session"]

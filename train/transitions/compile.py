@@ -175,6 +175,9 @@ _EMPTY_ADVICE = {
     "LLM call without a token record": "Send the agent's calls through the gateway (rollout does), or give "
                                       "--tokenizer to re-tokenise them",
     "over length": "Raise --max-length, or shorten the agent's prompts",
+    "answered by an outside model": "Rollouts against an outside endpoint (base_url) serve prompt optimisation and "
+                                    "evaluation only: to train, run the agent on the policy served here (train, or "
+                                    "rollout without --base-url), with the same --prompt if you optimised one",
 }
 
 

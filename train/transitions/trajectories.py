@@ -3,7 +3,9 @@
 The store does the work (views `trajectory_calls` and `episode_rewards`, migration 0006: duplicated LLM
 spans removed, agent paths, token records joined through the traceparent or the response id). This module
 reads them and gives every call token ids: the gateway's record, else re-tokenised from the recorded
-messages (retokenize.py), else a reason that excludes its rollout.
+messages (retokenize.py), else a reason that excludes its rollout. A rollout whose calls an outside model answered
+(the gateway forwarded them: closed models) is excluded whatever its messages: another model's text is no sample of
+the policy.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Callable
 import polars as pl
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.forward import FORWARD_SPAN
 from lightning_otel.train.transitions.retokenize import ChatTokenizer, Drift, measure_drift
 
 log = logging.getLogger(__name__)
@@ -51,7 +54,12 @@ FROM trajectory_calls t LEFT JOIN spans s ON s.trace_id = t.record_trace_id AND 
 WHERE t.record_span_id IS NOT NULL
 """
 
+# Rollouts whose calls the gateway forwarded to an outside endpoint (closed models: serve/forward.py).
+SQL_FORWARDED = f"SELECT DISTINCT rollout_id FROM spans WHERE name = '{FORWARD_SPAN}' AND rollout_id IS NOT NULL"
+
 NO_RECORD = "LLM call without a token record"
+FORWARDED = ("answered by an outside model (the gateway forwarded its calls to base_url and recorded them as text): "
+             "no token ids of the policy to train on")
 TOKEN_MISMATCH = ("token mismatch (a token record's logprobs and completion ids differ in length, "
                   "or its prompt is empty)")
 
@@ -103,8 +111,9 @@ def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None,
         pl.coalesce("record_trace_id", "trace_id").alias("token_trace_id"),
         pl.coalesce("record_span_id", "span_id").alias("token_span_id"))
     keys = ["token_trace_id", "token_span_id"]
-    excluded = []
-    missing = calls.filter(pl.col("record_span_id").is_null())
+    forwarded = calls.join(read(SQL_FORWARDED), on="rollout_id", how="semi")
+    excluded = [forwarded.select("rollout_id", pl.lit(FORWARDED).alias("reason"))]
+    missing = calls.filter(pl.col("record_span_id").is_null()).join(forwarded, on="rollout_id", how="anti")
     retokenized = 0
     if missing.height:
         tokenizer, why_not = load_tokenizer(model, chat_template, tool_format)
@@ -129,7 +138,7 @@ def attach_tokens(calls: pl.DataFrame, read: Read, model: Path | str | None,
                            pl.col("completion_logprobs").list.len().alias("logprobs_len"))
     calls = calls.join(lengths, on=keys, how="left")
     engine = pl.col("token_source") == "engine"
-    excluded.insert(0, calls.filter(engine & ((pl.col("prompt_len").fill_null(0) == 0)
+    excluded.insert(1, calls.filter(engine & ((pl.col("prompt_len").fill_null(0) == 0)
                                               | pl.col("logprobs_len").is_null()
                                               | (pl.col("logprobs_len") != pl.col("completion_len"))))
                     .select("rollout_id", pl.lit(TOKEN_MISMATCH).alias("reason")))
