@@ -16,6 +16,7 @@ import time
 import weakref
 from pathlib import Path
 
+import polars as pl
 import pytest
 import torch
 
@@ -234,6 +235,9 @@ def test_a_round_reports_the_first_micro_batch_and_the_policy_it_was_served(trai
     # Before any update the learner is the policy that sampled (the SFT checkpoint, version 1): the recorded and
     # recomputed logprobs of its tokens agree, so the PPO ratio is ~1 and nothing is clipped.
     assert grpo["served_policy_versions"] == [1]
+    # What the round trained on is kept as compile writes it (the viewer reads it from the run folder).
+    kept = pl.read_parquet(Path(config.output_dir) / "rounds" / "round-0001" / "transitions.parquet")
+    assert kept.height == grpo["transitions"] and {"rollout_id", "advantage", "completion_ids"} <= set(kept.columns)
     assert abs(grpo["first_ratio_mean"] - 1.0) < 0.05 and grpo["first_clip_fraction"] < 0.05
     assert 0 <= grpo["first_logprob_gap"] < 0.1
 

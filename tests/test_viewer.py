@@ -172,6 +172,18 @@ def test_transitions_page_colours_each_token_by_the_compiled_advantage(collector
                 assert f"logprob {row['completion_logprobs'][i]:.4g}" in title.replace("&#x27;", "'")
                 assert "loss mask 1" in title
             assert 'class="tok prompt"' in text
+    # A run folder: each training round wrote its own Parquet (train/trainer.py); rollout a is in round 2's.
+    run = tmp_path / "run"
+    for r, ids in ((1, ["b", "c"]), (2, ["a"])):
+        (run / "rounds" / f"round-{r:04d}").mkdir(parents=True)
+        frame.filter(pl.col("rollout_id").is_in(ids)).write_parquet(
+            run / "rounds" / f"round-{r:04d}" / "transitions.parquet")
+    shutil.copy(db_path, run / "traces.duckdb")
+    with Viewer(ViewConfig(run=run, port=0)) as viewer:
+        _, _, text = fetch(viewer.url + "/rollout/a/transitions")
+        assert "compiled transitions of the run&#x27;s 2 rounds" in text
+        shown = [float(v) for v in re.findall(r'data-advantage="([^"]+)"', text)]
+        assert shown and set(shown) == {frame.filter(pl.col("rollout_id") == "a")["advantage"][0]}
     # Without a Parquet, the store's transitions view gives the same advantages.
     with Viewer(ViewConfig(db=db_path, port=0)) as viewer:
         _, _, text = fetch(viewer.url + "/rollout/a/transitions")

@@ -271,6 +271,8 @@ class Trainer:
         frame, account = compile_transitions(CompileConfig(
             db=self.db, reward=c.reward, emitted_rewards=False, gamma=c.gamma, advantage=c.advantage,
             agents=c.agents or None, merge_turns=c.merge_turns, rollout_ids=ids))
+        # what this round trains on, as `compile` writes it (the viewer colours tokens by these advantages)
+        frame.write_parquet(tasks_file.parent / "transitions.parquet")
         rows = frame.to_dicts()
         stats = optimize(self.learner, rows, c, "grpo", seed=c.seed * 100_003 + r, epochs=c.epochs,
                          progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done, total),

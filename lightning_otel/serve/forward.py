@@ -38,6 +38,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from lightning_otel.errors import UserError
 from lightning_otel.serve.engine import EngineError, EngineStream
 from lightning_otel.serve.prompts import PromptPatch
 
@@ -159,6 +160,38 @@ class Outside:
         except (OSError, ValueError, http.client.HTTPException) as exc:
             raise EngineError(502, _error(f"the outside endpoint {self.shown} did not list its models: {exc}",
                                           "upstream_unreachable", 502)) from None
+
+
+def check_config(url: object, chat_template: object, timeout_s: object, api_key_env: str | None,
+                 gateway_key: str | None) -> None:
+    """A forwarding gateway's settings (GatewayConfig's forward_* fields and the ones they exclude)."""
+    if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        raise UserError(f"forward_url {url!r}: give the outside endpoint's base URL, like "
+                        "https://api.openai.com/v1")
+    if chat_template is not None:
+        raise UserError("chat_template is the engine's: an outside endpoint renders prompts its own way; leave it "
+                        "out when forwarding")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise UserError(f"forward_timeout_s={timeout_s!r}: give a positive number of seconds")
+    if api_key_env is not None and not os.environ.get(api_key_env):
+        raise UserError(f"the environment variable {api_key_env} (the outside endpoint's key) is not "
+                        f"set: set it, or name another (api_key_env)")
+    if gateway_key is not None and api_key_env is None:
+        raise UserError("this gateway has its own API key, which agents send as their Authorization header: name "
+                        "the environment variable with the outside endpoint's key (api_key_env) so that the "
+                        "gateway's key is never sent on")
+
+
+def outside_request(outside: Outside, request: dict, max_tokens_cap: int | None) -> dict:
+    """The request as the outside endpoint gets it: not streamed yet (the caller asks), its model named when
+    the run names one, the run's token cap where the agent set none."""
+    request = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
+    if outside.model:
+        request["model"] = outside.model
+    if max_tokens_cap is not None and request.get("max_tokens") is None \
+            and request.get("max_completion_tokens") is None:
+        request["max_tokens"] = max_tokens_cap
+    return request
 
 
 def _error(message: str, kind: str, code: int) -> dict:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -156,25 +155,8 @@ class GatewayConfig:
         if not self.insecure_no_auth:
             check_exposure(self.host, self.api_key is not None, "give an API key (--api-key)")
         if self.forward_url is not None:
-            self._check_forwarding()
-
-    def _check_forwarding(self) -> None:
-        if not (isinstance(self.forward_url, str) and self.forward_url.startswith(("http://", "https://"))):
-            raise UserError(f"forward_url {self.forward_url!r}: give the outside endpoint's base URL, like "
-                            "https://api.openai.com/v1")
-        if self.chat_template is not None:
-            raise UserError("chat_template is the engine's: an outside endpoint renders prompts its own way; leave it "
-                            "out when forwarding")
-        if not (isinstance(self.forward_timeout_s, (int, float)) and self.forward_timeout_s > 0):
-            raise UserError(f"forward_timeout_s={self.forward_timeout_s!r}: give a positive number of seconds")
-        if self.forward_api_key_env is not None and not os.environ.get(self.forward_api_key_env):
-            raise UserError(f"the environment variable {self.forward_api_key_env} (the outside endpoint's key) is not "
-                            f"set: set it, or name another (api_key_env)")
-        if self.api_key is not None and self.forward_api_key_env is None:
-            raise UserError("this gateway has its own API key, which agents send as their Authorization header: name "
-                            "the environment variable with the outside endpoint's key (api_key_env) so that the "
-                            "gateway's key is never sent on")
-
+            forward.check_config(self.forward_url, self.chat_template, self.forward_timeout_s,
+                                 self.forward_api_key_env, self.api_key)
 
 @dataclass
 class ChatCall:
@@ -449,12 +431,7 @@ class Gateway:
         if self._count_call(rollout_id) is not None:
             raise BadRequest("scripted answers need an engine: this gateway forwards to an outside endpoint")
         requested_model = str(body.get("model") or self.outside.model_name)  # type: ignore[union-attr]
-        request = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
-        if self.outside.model:  # type: ignore[union-attr]
-            request["model"] = self.outside.model  # type: ignore[union-attr]
-        if self.config.max_tokens_cap is not None and request.get("max_tokens") is None \
-                and request.get("max_completion_tokens") is None:
-            request["max_tokens"] = self.config.max_tokens_cap
+        request = forward.outside_request(self.outside, request, self.config.max_tokens_cap)  # type: ignore[arg-type]
         self._apply_overrides(request)
         base = forward.call_attributes(self.outside, request, requested_model, rollout_id, patch)  # type: ignore[arg-type]
 

@@ -39,8 +39,10 @@ SECURITY_HEADERS = {
 @dataclass
 class ViewConfig:
     db: Path | None = None
-    run: Path | None = None           # a run folder: its traces.duckdb, metrics.jsonl, transitions.parquet
-    transitions: Path | None = None   # compile's Parquet; default: the run folder's, else the store's view
+    run: Path | None = None           # a run folder: its traces.duckdb, metrics.jsonl, rounds' transitions
+    # compile's Parquet; default: the run folder's transitions.parquet, else the Parquet each of its training
+    # rounds wrote (rounds/round-NNNN/transitions.parquet), else the store's view
+    transitions: Path | list[Path] | None = None
     model: str | None = "bundled"     # whose tokenizer turns token ids into text
     reward: str | None = None         # the reward name shown first; default: the most stored one
     host: str = "127.0.0.1"
@@ -57,13 +59,15 @@ class ViewConfig:
                 self.db = self.run / "traces.duckdb"
             if self.transitions is None and (self.run / "transitions.parquet").is_file():
                 self.transitions = self.run / "transitions.parquet"
+            elif self.transitions is None:
+                self.transitions = sorted(self.run.glob("rounds/round-*/transitions.parquet")) or None
         if self.db is None:
             raise UserError("give the store to view: --db traces.duckdb, or --run RUN_FOLDER")
         self.db = Path(self.db)
         if not self.db.is_file():
             raise UserError(f"no trace store at {self.db}: give the DuckDB file of `lightning-otel collect` (--db) "
                             f"or a run folder that holds traces.duckdb (--run)")
-        if self.transitions is not None:
+        if isinstance(self.transitions, (str, Path)):
             self.transitions = Path(self.transitions)
             if not self.transitions.is_file():
                 raise UserError(f"--transitions {self.transitions}: no such file; give the Parquet that "

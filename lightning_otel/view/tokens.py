@@ -56,9 +56,12 @@ class TokenText:
         return tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
 
-def load_transitions(source: StoreSource, parquet: Path | None, rollout_id: str, reward: str | None) -> pl.DataFrame:
+def load_transitions(source: StoreSource, parquet: Path | list[Path] | None, rollout_id: str,
+                     reward: str | None) -> pl.DataFrame:
     if parquet is not None:
-        frame = pl.scan_parquet(parquet).filter(pl.col("rollout_id") == rollout_id).collect()
+        files = parquet if isinstance(parquet, list) else [parquet]
+        scans = pl.concat([pl.scan_parquet(f) for f in files], how="diagonal_relaxed")
+        frame = scans.filter(pl.col("rollout_id") == rollout_id).collect()
         missing = [c for c in NEEDED if c not in frame.columns]
         if missing:
             raise UserError(f"{parquet} has no column(s) {missing}: give the Parquet of `lightning-otel compile`")
@@ -99,10 +102,11 @@ def transition_block(row: dict, texts: TokenText) -> str:
             f'<div class="tokens completion">{"".join(cells)}</div></section>')
 
 
-def transitions_page(source: StoreSource, parquet: Path | None, texts: TokenText, rollout_id: str,
+def transitions_page(source: StoreSource, parquet: Path | list[Path] | None, texts: TokenText, rollout_id: str,
                      reward: str | None) -> str:
     frame = load_transitions(source, parquet, rollout_id, reward)
-    where = (f"compiled transitions {parquet.name}" if parquet else
+    where = (f"the compiled transitions of the run's {len(parquet)} rounds" if isinstance(parquet, list) else
+             f"compiled transitions {parquet.name}" if parquet else
              f"the store's token records, default credit (reward {reward})")
     back = link(rollout_url(rollout_id), "← the rollout")
     if not frame.height:
