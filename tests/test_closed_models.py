@@ -271,6 +271,43 @@ def test_the_outside_model_gets_the_patched_prompt_and_the_records_are_text(engi
     assert attributes["lightning.engine"] == "outside" and "lightning.prompt.token_ids" not in attributes
 
 
+def test_serve_base_url_patches_and_records_production_traffic_to_an_outside_model(outside, db_path, tmp_path):
+    """`lightning-otel serve --base-url URL --prompt FILE --db DB`: a proxy in front of a closed model, no engine."""
+    import openai
+
+    from lightning_otel.serve.serving import serve_policy
+    from lightning_otel.span_store import client
+
+    (tmp_path / "p.json").write_text(json.dumps(PATCHES))
+    with pytest.raises(UserError, match="give no policy, engine or --tool-format"):
+        serve_policy("base", port=0, base_url=outside.url)
+    with pytest.raises(UserError, match="or --base-url for an outside endpoint"):
+        serve_policy(None, port=0)
+    with pytest.raises(UserError, match="give --base-url with them"):
+        serve_policy("base", port=0, base_model="gpt-4o")
+    ready, stop = [], threading.Event()
+    server = threading.Thread(target=serve_policy, args=(None,), daemon=True, kwargs=dict(
+        port=free_port(), db=db_path, ready=ready.append, stop=stop, base_url=outside.url, base_model="closed-1",
+        prompt=tmp_path / "p.json"))
+    server.start()
+    deadline = time.monotonic() + 60
+    while not ready and time.monotonic() < deadline and server.is_alive():
+        time.sleep(0.1)
+    try:
+        sdk = openai.OpenAI(base_url=ready[0], api_key="agent-key", max_retries=0)
+        answer = sdk.chat.completions.create(model="gpt-4o", messages=chat(GENERATE)["messages"])
+    finally:
+        stop.set()
+        server.join(60)
+    assert answer.choices[0].message.content == "The answer is 5." and not server.is_alive()
+    (sent,) = outside.seen
+    assert sent["body"]["model"] == "closed-1" and APPEND in sent["body"]["messages"][0]["content"]
+    assert sent["authorization"] == "Bearer agent-key"  # no api_key_env: the agent's own key goes through
+    (row,) = client.query(SQL_FORWARDED, db_path).to_dicts()
+    assert (row["version"], row["patch_id"], row["token_source"]) == ("2", "gq-names", "none")
+    assert "agent-key" not in json.dumps(client.query("SELECT * FROM spans", db_path).to_dicts(), default=str)
+
+
 # ---- optimize --base-url --------------------------------------------------------------------------------------
 
 def test_optimize_on_an_outside_endpoint_finds_a_winner_and_train_refuses_its_rollouts(engine, tmp_path):

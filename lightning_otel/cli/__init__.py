@@ -2,7 +2,8 @@
 
 One module per command group, each registering its subcommands beside their handlers, in the pipeline's order:
 store (collect, sql, ingest, export, feedback, prune, schema, tour), capture (run), rollouts (rollout), train
-(compile, train), evaluate (eval), view (the web viewer), policy (export-policy, serve), prompts (export-prompt), optimize, and the demo.
+(compile, train), evaluate (eval), view (the web viewer), policy (export-policy, serve), prompts (export-prompt),
+optimize, and the demo.
 Heavy modules are imported inside each command, so `lightning-otel --help` stays fast.
 """
 from __future__ import annotations

@@ -69,3 +69,14 @@ def add_rollout_timeout(parser: argparse.ArgumentParser) -> None:
                         help="seconds one rollout may run before it is killed (default: 300)")
     parser.add_argument("--timeout", type=float, dest="rollout_timeout", action=DeprecatedAlias,
                         new="--rollout-timeout", help=argparse.SUPPRESS)
+
+
+def add_outside_endpoint(p: argparse.ArgumentParser, instead_of: str) -> None:
+    """--base-url, --base-model, --api-key-env: a closed model behind an OpenAI-compatible endpoint, which the
+    gateway forwards to with the prompt patch applied and records as text."""
+    p.add_argument("--base-url", help=f"instead of {instead_of}: an outside OpenAI-compatible endpoint (a closed "
+                                      f"model) the gateway forwards the agents' calls to, with --prompt applied, "
+                                      f"recorded as text (no token ids)")
+    p.add_argument("--base-model", help="with --base-url: the model name every call is sent with (and {model})")
+    p.add_argument("--api-key-env", help="with --base-url: the environment variable holding its key (default: the "
+                                         "agents' own key goes through)")

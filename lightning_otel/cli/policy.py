@@ -5,7 +5,7 @@ import argparse
 import os
 from pathlib import Path
 
-from lightning_otel.cli.options import add_chat_template, add_prompt, add_tool_format
+from lightning_otel.cli.options import add_chat_template, add_outside_endpoint, add_prompt, add_tool_format
 
 API_KEY_ENV = "LIGHTNING_OTEL_API_KEY"
 
@@ -25,13 +25,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
 
     def ready(url: str) -> None:
-        print(f"serving {args.model} at {url} (OpenAI-compatible; any model name). Ctrl-C stops.", flush=True)
+        what = args.model or f"{args.base_url} (forwarded, recorded as text)"
+        print(f"serving {what} at {url} (OpenAI-compatible; any model name). Ctrl-C stops.", flush=True)
         key = "<the API key>" if api_key else "any"
         print(f"  OPENAI_BASE_URL={url} OPENAI_API_KEY={key} python your_agent.py", flush=True)
 
     serve_policy(args.model, port=args.port, db=args.db, ready=ready, chat_template=args.chat_template,
                  host=args.host, api_key=api_key, insecure_no_auth=args.insecure_no_auth, tool_format=args.tool_format,
-                 prompt=args.prompt)
+                 prompt=args.prompt, base_url=args.base_url, base_model=args.base_model, api_key_env=args.api_key_env)
     return 0
 
 
@@ -49,8 +50,9 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a trained policy behind the OpenAI-compatible gateway",
                        description="Start vLLM on the policy's base model with its adapter and the gateway in "
                                    "front; with --db every call is recorded in that trace store.")
-    p.add_argument("model", help="base, a training run folder, a checkpoint, an adapter, a model folder or a "
-                                 "Hugging Face hub id (org/name or org/name@revision)")
+    p.add_argument("model", nargs="?", help="base, a training run folder, a checkpoint, an adapter, a model folder "
+                                            "or a Hugging Face hub id (org/name or org/name@revision); none with "
+                                            "--base-url")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1); any other than "
                                                        "loopback needs --api-key, or --insecure-no-auth")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default: 8000)")
@@ -63,4 +65,5 @@ def register(sub) -> None:
     add_chat_template(p, "the gateway renders prompts with")
     add_tool_format(p)
     add_prompt(p, "the served traffic")
+    add_outside_endpoint(p, "a policy")
     p.set_defaults(func=cmd_serve)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_otel.cli.options import (add_chat_template, add_db, add_prompt, add_rollout_timeout, add_samples,
-                                        add_task_pack, add_tool_format)
+from lightning_otel.cli.options import (add_chat_template, add_db, add_outside_endpoint, add_prompt,
+                                        add_rollout_timeout, add_samples, add_task_pack, add_tool_format)
 from lightning_otel.cli.render import Progress
 
 
@@ -48,12 +48,7 @@ def register(sub) -> None:
                                    "base (the bundled SmolLM2-135M-Instruct, the default), a training run folder "
                                    "(its best checkpoint), a checkpoint, a LoRA adapter, a model folder or a "
                                    "Hugging Face hub id (org/name or org/name@revision)")
-    p.add_argument("--base-url", help="instead of serving --model: an outside OpenAI-compatible endpoint (a closed "
-                                      "model) the gateway forwards the agents' calls to, with --prompt applied, "
-                                      "recorded as text (no token ids)")
-    p.add_argument("--base-model", help="with --base-url: the model name every call is sent with (and {model})")
-    p.add_argument("--api-key-env", help="with --base-url: the environment variable holding its key (default: the "
-                                         "agents' own key goes through)")
+    add_outside_endpoint(p, "serving --model")
     p.add_argument("--api-key", help="OPENAI_API_KEY given to the agents")
     p.add_argument("--model-name", default="policy", help="model name for {model} and LIGHTNING_MODEL "
                                                           "(the gateway serves the policy under any name)")

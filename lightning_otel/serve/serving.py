@@ -79,13 +79,16 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
                  ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
                  engine: PolicyEngine | None = None, chat_template: Path | None = None, host: str = "127.0.0.1",
                  api_key: str | None = None, insecure_no_auth: bool = False, tool_format: str | None = None,
-                 prompt: Path | None = None) -> None:
+                 prompt: Path | None = None, base_url: str | None = None, base_model: str | None = None,
+                 api_key_env: str | None = None) -> None:
     """Serve until `stop` is set (or forever): vLLM + the policy + the gateway on host:port. An engine
     already running on the policy's base model may be given instead of starting one. `chat_template`: a Jinja
     file the gateway renders prompts with instead of the model's own template. `tool_format`: the call syntax
     (toolcalls.FORMATS; None: detected from the template). `api_key`: the key requests must send; a host other
     machines reach needs one (or `insecure_no_auth`), which is checked before anything starts. `prompt`: a prompt
-    patch file (prompts.py) applied to the calls of the agents it targets."""
+    patch file (prompts.py) applied to the calls of the agents it targets. `base_url`: no policy and no engine:
+    every call goes to that outside OpenAI-compatible endpoint (a closed model) with the patch applied and is
+    recorded as text (forward.py); `base_model` names its model, `api_key_env` the variable holding its key."""
     from lightning_otel.serve.chat_tools import read_chat_template, template_tools
     from lightning_otel.serve.gateway import Gateway, GatewayConfig
     from lightning_otel.serve.prompts import load_patches
@@ -97,8 +100,16 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
     # checked before anything starts
     settings = GatewayConfig(host=host, port=port, api_key=api_key, insecure_no_auth=insecure_no_auth,
                              chat_template=template, tool_format=tool_format,
-                             prompts=load_patches(prompt) if prompt is not None else None)
-    policy: Policy = resolve_policy(spec, python)
+                             prompts=load_patches(prompt) if prompt is not None else None,
+                             forward_url=base_url, forward_model=base_model, forward_api_key_env=api_key_env)
+    if base_url is not None and (spec or engine is not None or tool_format is not None):
+        raise UserError("--base-url serves an outside endpoint: give no policy, engine or --tool-format with it")
+    if base_url is None and not spec:
+        raise UserError("give the policy to serve (base, a run folder, a checkpoint, a model folder or a hub id), "
+                        "or --base-url for an outside endpoint")
+    if base_url is None and (base_model is not None or api_key_env is not None):
+        raise UserError("--base-model and --api-key-env are for an outside endpoint: give --base-url with them")
+    policy: Policy | None = resolve_policy(spec, python) if base_url is None else None
     with ExitStack() as owned:
         collector_url = collector_token = None
         if db is not None:
@@ -109,10 +120,13 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
                 owned.callback(collector.close)
                 info = collector.info
             collector_url, collector_token = info.url, info.ingest_token
-        engine = engine_for_policy(policy, engine, owned, python)
-        tools = template_tools(policy.base_model, template, tool_format)
-        gateway = Gateway(engine, replace(settings, collector_url=collector_url, collector_token=collector_token,
-                                          native_tools=tools.native, tool_format=tools.format))
+        settings = replace(settings, collector_url=collector_url, collector_token=collector_token)
+        if policy is None:
+            gateway = Gateway(None, settings)
+        else:
+            engine = engine_for_policy(policy, engine, owned, python)
+            tools = template_tools(policy.base_model, template, tool_format)
+            gateway = Gateway(engine, replace(settings, native_tools=tools.native, tool_format=tools.format))
         gateway.start()
         owned.callback(gateway.close)
         if ready:
