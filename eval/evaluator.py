@@ -57,6 +57,11 @@ class EvalConfig:
     chat_template: Path | None = None    # a Jinja chat template file the gateway renders with (the model's own: None)
     tool_format: str | None = None       # the call syntax (serve.toolcalls.FORMATS); None: detected from the template
     prompt: Path | None = None           # a prompt patch file the gateway applies (docs/prompts.md)
+    # A closed model instead of `model`: the gateway forwards every call to this OpenAI-compatible endpoint
+    # (with the patch applied) and records it as text (docs/prompts.md, "Closed models").
+    base_url: str | None = None
+    base_model: str | None = None        # the model name the endpoint gets
+    api_key_env: str | None = None       # the environment variable holding its key (default: the agent's own)
 
     def __post_init__(self) -> None:
         self.tasks, self.report = Path(self.tasks), Path(self.report)
@@ -89,6 +94,11 @@ class EvalConfig:
         if self.prompt is not None:
             self.prompt = Path(self.prompt)
             load_patches(self.prompt)  # a bad file is refused before anything starts
+        if self.base_url and self.model != "base":
+            raise UserError(f"model = {self.model} and base_url = {self.base_url}: an evaluation runs on one of "
+                            f"them; give the policy served here, or the outside endpoint")
+        if not self.base_url and (self.base_model or self.api_key_env):
+            raise UserError("base_model and api_key_env are for an outside endpoint: give base_url with them")
 
     def to_dict(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -101,6 +111,15 @@ class EvalResult:
     rollout_ids: list[str] = field(default_factory=list)
 
 
+def outside_policy(base_url: str, base_model: str | None) -> dict:
+    """The report's policy entry for a closed model behind an outside endpoint (its URL without credentials)."""
+    from lightning_otel.serve.forward import public_url
+
+    url = public_url(base_url)
+    return {"base_model": base_model or url, "adapter": None, "label": base_model or url, "version": None,
+            "run_dir": None, "outside_url": url}
+
+
 def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
              progress: Callable[[RolloutResult, int, int], None] | None = None) -> EvalResult:
     """Run the evaluation and write the report; returns the summary (also in <report>/summary.json)."""
@@ -111,23 +130,26 @@ def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
                                    data_dir=config.data_dir, rollout_timeout_s=config.rollout_timeout_s,
                                    max_tokens=config.max_tokens, temperature=config.temperature,
                                    chat_template=config.chat_template, tool_format=config.tool_format,
-                                   prompt=config.prompt)
+                                   prompt=config.prompt, base_url=config.base_url or None,
+                                   base_model=config.base_model, api_key_env=config.api_key_env)
     tasks = load_tasks(config.tasks)
     check_inputs(rollout_config, tasks)  # bad tasks or commands fail before an engine starts
     baseline = read_summary(config.baseline) if config.baseline else None
-    policy = resolve_policy(config.model, config.engine_python)
-    log.info("policy: %s", policy.to_dict())
+    policy = None if config.base_url else resolve_policy(config.model, config.engine_python)
+    described = policy.to_dict() if policy is not None else outside_policy(config.base_url, config.base_model)
+    log.info("policy: %s", described)
     config.report.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with ExitStack() as owned:
-        served = engine_for_policy(policy, engine, owned, config.engine_python, config.report / "engine.log")
+        served = None if policy is None else engine_for_policy(policy, engine, owned, config.engine_python,
+                                                               config.report / "engine.log")
         results = run_rollouts(rollout_config, progress=progress, engine=served).results
     rollout_ids = [r.rollout_id for r in results]
-    summary = {"config": config.to_dict(), "policy": policy.to_dict(), "store": str(config.db),
+    summary = {"config": config.to_dict(), "policy": described, "store": str(config.db),
                "tasks": len(tasks), "started": started, "wall_s": time.time() - started,
                **compute_metrics(config.db, rollout_ids, config.reward, rollout_config.pack,
                                  rollout_config.data_dir)}
-    summary["rounds"] = read_rounds(policy.run_dir)
+    summary["rounds"] = read_rounds(policy.run_dir if policy is not None else None)
     if baseline is not None:
         summary["baseline"] = {"path": str(config.baseline), "label": baseline["policy"]["label"],
                                "comparison": comparison_rows(summary, baseline),

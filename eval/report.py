@@ -181,9 +181,11 @@ def render_markdown(summary: dict) -> str:
              f"- tasks: `{config['tasks']}` ({summary['tasks']} tasks x {config['n']} samples = "
              f"{summary['rollouts']} rollouts)",
              f"- agent: `{config['agent']}`",
-             f"- policy: {policy['label']} (base model `{policy['base_model']}`"
-             + (f", LoRA adapter `{policy['adapter']}`" if policy["adapter"] else "")
-             + f", served as policy version {policy['version']})",
+             (f"- policy: {policy['label']} at the outside endpoint `{policy['outside_url']}` (forwarded by the "
+              f"gateway, recorded as text)" if policy.get("outside_url") else
+              f"- policy: {policy['label']} (base model `{policy['base_model']}`"
+              + (f", LoRA adapter `{policy['adapter']}`" if policy["adapter"] else "")
+              + f", served as policy version {policy['version']})"),
              f"- trace store: `{summary['store']}` (every number below is a query over it)", "",
              f"- reward: `{summary.get('reward', '-')}` (task pack `{summary.get('task_pack', '-')}`)", "",
              "## Accuracy", "", "Share of scored rollouts whose reward is 1.", ""]

@@ -95,7 +95,7 @@ class Outside:
                     return
                 if model == "tool-stream":
                     return self.tool_stream()
-                text = "The answer is 5."
+                text = "Banana, of course." if model == "banana-bot" else "The answer is 5."
                 self.answer(200, {"id": "chatcmpl-1", "object": "chat.completion", "model": model, "choices": [
                     {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}})
@@ -306,6 +306,26 @@ def test_serve_base_url_patches_and_records_production_traffic_to_an_outside_mod
     (row,) = client.query(SQL_FORWARDED, db_path).to_dicts()
     assert (row["version"], row["patch_id"], row["token_source"]) == ("2", "gq-names", "none")
     assert "agent-key" not in json.dumps(client.query("SELECT * FROM spans", db_path).to_dicts(), default=str)
+
+
+def test_eval_base_url_reports_a_closed_model_against_a_baseline(outside, tmp_path):
+    from lightning_otel.eval import EvalConfig, evaluate
+
+    tasks = write_tasks(tmp_path / "tasks.jsonl", TRAIN[:2], "t")
+    common = dict(tasks=tasks, agent=AGENT, reward=REWARD, n=1, base_url=outside.url)
+    with pytest.raises(UserError, match="an evaluation runs on one of them"):
+        EvalConfig(**common, report=tmp_path / "x", model="runs/sql")
+    with pytest.raises(UserError, match="give base_url with them"):
+        EvalConfig(**{**common, "base_url": None}, report=tmp_path / "x", base_model="gpt-4o")
+    before = evaluate(EvalConfig(**common, report=tmp_path / "before", base_model="plain")).summary
+    after = evaluate(EvalConfig(**common, report=tmp_path / "after", base_model="banana-bot",
+                                baseline=tmp_path / "before")).summary
+    assert [s["body"]["model"] for s in outside.seen] == ["plain"] * 2 + ["banana-bot"] * 2
+    assert before["accuracy"]["overall"]["accuracy"] == 0.0 and after["accuracy"]["overall"]["accuracy"] == 1.0
+    assert after["policy"]["label"] == "banana-bot" and after["policy"]["outside_url"] == outside.url
+    assert after["baseline"]["paired"]["better"] == 2
+    report = (tmp_path / "after" / "report.md").read_text()
+    assert f"banana-bot at the outside endpoint `{outside.url}`" in report
 
 
 # ---- optimize --base-url --------------------------------------------------------------------------------------

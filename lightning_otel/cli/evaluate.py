@@ -5,8 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lightning_otel.cli.options import (add_chat_template, add_prompt, add_rollout_timeout, add_samples,
-                                        add_task_pack, add_tool_format)
+from lightning_otel.cli.options import (add_chat_template, add_outside_endpoint, add_prompt,
+                                        add_rollout_timeout, add_samples, add_task_pack, add_tool_format)
 from lightning_otel.cli.render import Progress
 
 
@@ -19,7 +19,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                         baseline=args.baseline, db=args.db, data_dir=args.data_dir, max_tokens=args.max_tokens,
                         concurrency=args.concurrency, rollout_timeout_s=args.rollout_timeout,
                         temperature=args.temperature, chat_template=args.chat_template, tool_format=args.tool_format,
-                        prompt=args.prompt)
+                        prompt=args.prompt, base_url=args.base_url, base_model=args.base_model,
+                        api_key_env=args.api_key_env)
     print("eval config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()), file=sys.stderr)
     summary = evaluate(config, progress=Progress("eval").update).summary
     print(terminal_summary(summary))
@@ -54,5 +55,6 @@ def register(sub) -> None:
     add_chat_template(p, "the gateway renders the policy's prompts with")
     add_tool_format(p)
     add_prompt(p, "the gateway")
+    add_outside_endpoint(p, "--model")
     add_rollout_timeout(p)
     p.set_defaults(func=cmd_eval)
