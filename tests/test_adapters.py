@@ -1,12 +1,16 @@
 """One LoRA adapter per agent (`adapters = {name: agent-pattern}`): the config, its checks and the routing rule."""
 from __future__ import annotations
 
+import json
+import subprocess
 import tomllib
+import urllib.request
+from pathlib import Path
 
 import pytest
 
 from lightning_otel.errors import UserError
-from lightning_otel.serve.adapters import adapter_for, adapter_of_agent, check_adapters
+from lightning_otel.serve.adapters import AGENT_HEADER, adapter_for, adapter_of_agent, check_adapters
 from lightning_otel.train.config import load_config
 from lightning_otel.train.settings import render_toml
 
@@ -55,3 +59,104 @@ def test_routing_rule_matches_whole_agent_names_first_pattern_first():
     assert adapter_for(adapters, "gpt-4o", "list_tables") is None  # no adapter: the base model
     with pytest.raises(UserError, match="table of adapter names"):
         check_adapters(["writer"])
+
+
+# ---- the agent names itself on each request (capture/agent_header.py) ------------------------------------
+
+def test_each_request_names_the_agent_the_store_derives_for_its_call(tmp_path):
+    """The LangGraph SQL tutorial, unchanged, against a scripted model: the x-lightning-agent header of every
+    request (read from the agent process's live spans) is the agent the store derives afterwards for that
+    call from the exported span tree."""
+    from lightning_otel.rollouts.runner import RolloutConfig, run_rollouts
+    from lightning_otel.span_store import client
+    from test_inprocess import singer_tasks, write_tasks
+    from test_langgraph_sql_tutorial import EXAMPLE, StubModel
+
+    stub = StubModel()
+    try:
+        tasks = write_tasks(tmp_path / "tasks.jsonl", singer_tasks(1))
+        db = tmp_path / "traces.duckdb"
+        summary = run_rollouts(RolloutConfig(tasks=tasks, agent=f"{EXAMPLE}:run", n=1, concurrency=1, db=db,
+                                             base_url=stub.base_url, reward="spider_shaped", rollout_timeout_s=120))
+    finally:
+        stub.shutdown()
+    (result,) = summary.results
+    assert result.status == "ok", result
+    stored = client.query(f"SELECT agent FROM trajectory_calls WHERE rollout_id = '{result.rollout_id}' "
+                          f"ORDER BY turn", db)["agent"].to_list()
+    sent = [h.get(AGENT_HEADER) for h in stub.headers]
+    assert sent == stored, (sent, stored)
+    assert {"generate_query", "check_query"} <= set(sent)
+
+
+# ---- the gateway serves each call by its agent's adapter (real engine, two LoRA adapters) -------------------
+
+def _chat(url: str, body: dict, headers: dict[str, str] | None = None) -> dict:
+    request = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def _stream_text(url: str, body: dict, headers: dict[str, str]) -> str:
+    request = urllib.request.Request(url + "/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json", **headers})
+    parts = []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            line = line.decode().strip()
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+def make_adapters(engine, tmp_path: Path, seeds: dict[str, int]) -> dict[str, Path]:
+    """LoRA adapters on the bundled model (random q_proj updates, one seed each), made with the engine's torch."""
+    from test_gateway import MAKE_ADAPTER
+    script = MAKE_ADAPTER.replace("torch.manual_seed(0)", "torch.manual_seed(int(sys.argv[3]))")
+    folders = {}
+    for name, seed in seeds.items():
+        folders[name] = tmp_path / name
+        made = subprocess.run([engine.config.python, "-c", script, str(folders[name]), str(engine.config.model_dir),
+                               str(seed)], capture_output=True, text=True, timeout=300)
+        assert made.returncode == 0, made.stderr[-2000:]
+    return folders
+
+
+def test_the_gateway_serves_each_call_by_its_agents_adapter_and_records_it(engine, collector, db_path, tmp_path):
+    from lightning_otel.serve.gateway import Gateway, GatewayConfig
+    from lightning_otel.span_store import client
+
+    folders = make_adapters(engine, tmp_path, {"writer": 1, "checker": 2})
+    body = {"model": "gpt-4o", "max_tokens": 10, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Name three colors."}]}
+    gateway = Gateway(engine, GatewayConfig(collector_url=collector.url, adapters=PAIR))
+    gateway.start()
+    try:
+        engine.update_adapters(folders, version=1)
+        direct = {name: engine.generate("/v1/chat/completions", body, model=engine.served_model(name))
+                  ["choices"][0]["message"]["content"] for name in ("writer", "checker")}
+        direct["base"] = engine.generate("/v1/chat/completions", body, model=engine.base_name)[
+            "choices"][0]["message"]["content"]
+        assert len(set(direct.values())) == 3, direct  # the two adapters and the base model answer differently
+        answers = {}
+        for rollout, agent, model in [("ro-w", "generate_query", "gpt-4o"), ("ro-c", "check_query", "gpt-4o"),
+                                      ("ro-n", "list_tables", "gpt-4o"), ("ro-m", None, "checker"),
+                                      ("ro-x", None, "gpt-4o")]:
+            headers = {AGENT_HEADER: agent} if agent else {}
+            answers[rollout] = _chat(gateway.base_url(rollout), {**body, "model": model},
+                                     headers)["choices"][0]["message"]["content"]
+        streamed = _stream_text(gateway.base_url("ro-ws"), body, {AGENT_HEADER: "generate_query"})
+        gateway.flush()
+    finally:
+        gateway.close()
+        engine.use_base()
+    assert answers == {"ro-w": direct["writer"], "ro-c": direct["checker"], "ro-n": direct["base"],
+                       "ro-m": direct["checker"], "ro-x": direct["base"]}
+    assert streamed == direct["writer"]
+    records = dict(client.query(
+        "SELECT rollout_id, json_extract_string(attributes, '$.\"lightning.adapter\"') AS adapter FROM spans "
+        "WHERE name = 'lightning.generate'", db_path).iter_rows())
+    assert records == {"ro-w": "writer", "ro-c": "checker", "ro-n": None, "ro-m": "checker", "ro-x": None,
+                       "ro-ws": "writer"}
