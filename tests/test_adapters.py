@@ -160,3 +160,66 @@ def test_the_gateway_serves_each_call_by_its_agents_adapter_and_records_it(engin
         "WHERE name = 'lightning.generate'", db_path).iter_rows())
     assert records == {"ro-w": "writer", "ro-c": "checker", "ro-n": None, "ro-m": "checker", "ro-x": None,
                        "ro-ws": "writer"}
+
+
+# ---- the learner trains each adapter on its own rows only (train/learner.py) --------------------------------
+
+def adapter_rows(learner, agent: str) -> list[dict]:
+    encode = learner.tokenizer.encode
+    answer = encode("SELECT count(*) FROM singer")
+    rows = []
+    for i, (prompt, advantage) in enumerate([("Count the singers.", 1.0), ("How many stadiums?", -1.0)]):
+        rows.append({"rollout_id": f"{agent}-{i}", "task_id": "t", "turn": 0, "agent": agent,
+                     "prompt_ids": encode(prompt), "completion_ids": answer[:5],
+                     "completion_logprobs": [-1.0] * 5, "loss_mask": None, "advantage": advantage,
+                     "return": advantage})
+    return rows
+
+
+def test_each_adapter_steps_on_its_own_rows_and_keeps_its_own_optimizer_state(tmp_path):
+    import torch
+
+    from lightning_otel.serve.model import bundled_model_dir
+    from lightning_otel.train.config import TrainConfig
+    from lightning_otel.train.learner import Learner
+    from lightning_otel.train.optimize import optimize
+
+    config = TrainConfig(lora_rank=4, lr=1e-3, batch_size=2, micro_batch=2, adapters=PAIR)
+    learner = Learner(bundled_model_dir(), config)
+    try:
+        def params(name):
+            return [p for n, p in learner.module.named_parameters() if f".lora_A.{name}." in n or
+                    f".lora_B.{name}." in n]
+
+        def snap(name):
+            return [p.detach().clone() for p in params(name)]
+
+        def moved(before, name):
+            return any(not torch.equal(b, p.detach()) for b, p in zip(before, params(name)))
+
+        base = [p.detach().clone() for n, p in learner.module.named_parameters() if ".lora_" not in n][:8]
+        assert len(params("writer")) == len(params("checker")) > 0
+        writer, checker = snap("writer"), snap("checker")
+        with learner.training_adapter("writer"):
+            stats = optimize(learner, adapter_rows(learner, "generate_query"), config, "grpo", seed=0)
+        assert stats.steps == 1
+        assert moved(writer, "writer") and not moved(checker, "checker")
+        moments = {k: v.clone() for k, v in learner.base_optimizer().state[
+            learner.optimizer.param_groups[0]["params"][0]].items() if torch.is_tensor(v)}
+        writer = snap("writer")
+        with learner.training_adapter("checker"):
+            assert learner.learning_rate() == config.lr
+            optimize(learner, adapter_rows(learner, "check_query"), config, "grpo", seed=0)
+        assert moved(checker, "checker") and not moved(writer, "writer")
+        after = learner.base_optimizer().state[learner.optimizer.param_groups[0]["params"][0]]
+        assert all(torch.equal(after[k], v) for k, v in moments.items())  # the writer's Adam state untouched
+        assert all(torch.equal(b, p.detach()) for b, p in zip(
+            base, [p for n, p in learner.module.named_parameters() if ".lora_" not in n][:8]))
+        folder = learner.save_policy(tmp_path / "checkpoint")
+        assert folder == tmp_path / "checkpoint" / "adapters"
+        for name in PAIR:
+            assert (folder / name / "adapter_model.safetensors").is_file()
+            assert (folder / name / "adapter_config.json").is_file()
+        assert json.loads((tmp_path / "checkpoint" / "adapters.json").read_text())["adapters"] == PAIR
+    finally:
+        learner.close()
