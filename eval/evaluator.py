@@ -116,6 +116,7 @@ def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
     check_inputs(rollout_config, tasks)  # bad tasks or commands fail before an engine starts
     baseline = read_summary(config.baseline) if config.baseline else None
     policy = resolve_policy(config.model, config.engine_python)
+    rollout_config.adapters = dict(policy.routes)  # one adapter per agent: the gateway routes calls as trained
     log.info("policy: %s", policy.to_dict())
     config.report.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -216,6 +216,7 @@ class TrainConfig:
             return
         clashes = [(self.full_finetune, "full_finetune = true trains the whole model, not adapters"),
                    (self.serve_merged, "serve_merged = true serves one merged model, not one adapter per agent"),
+                   (bool(self.sft_tasks), "the SFT warm start trains one policy for every agent (sft_tasks)"),
                    (self.critic != "head" and self.advantage in CRITIC_ADVANTAGES,
                     f"critic = {self.critic!r}: with adapters the critic is the value head (critic = head)")]
         for clash, why in clashes:

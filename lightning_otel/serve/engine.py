@@ -127,6 +127,7 @@ class PolicyEngine(Engine, Protocol):
     url: str
     base_name: str
     base_dir: Path  # the model it started on; load_model() may serve other weights
+    adapters: dict[str, str]  # one adapter per agent: adapter name -> its served LoRA name (update_adapters)
 
     def start(self) -> None: ...
     def attach(self, url: str) -> None: ...
