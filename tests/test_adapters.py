@@ -215,6 +215,13 @@ def test_each_adapter_steps_on_its_own_rows_and_keeps_its_own_optimizer_state(tm
         assert all(torch.equal(after[k], v) for k, v in moments.items())  # the writer's Adam state untouched
         assert all(torch.equal(b, p.detach()) for b, p in zip(
             base, [p for n, p in learner.module.named_parameters() if ".lora_" not in n][:8]))
+        learner.save_state(tmp_path / "state")  # resume: every adapter's weights come back
+        saved = {name: snap(name) for name in PAIR}
+        with learner.training_adapter("writer"):
+            optimize(learner, adapter_rows(learner, "generate_query"), config, "grpo", seed=1)
+        assert moved(saved["writer"], "writer")
+        learner.load_state(tmp_path / "state")
+        assert not moved(saved["writer"], "writer") and not moved(saved["checker"], "checker")
         folder = learner.save_policy(tmp_path / "checkpoint")
         assert folder == tmp_path / "checkpoint" / "adapters"
         for name in PAIR:
@@ -223,3 +230,76 @@ def test_each_adapter_steps_on_its_own_rows_and_keeps_its_own_optimizer_state(tm
         assert json.loads((tmp_path / "checkpoint" / "adapters.json").read_text())["adapters"] == PAIR
     finally:
         learner.close()
+
+
+# ---- acceptance: one tiny round of the LangGraph SQL agent with a writer and a checker adapter ------------------
+# examples/sql_agent: write_query -> execute -> check_query -> rewrite_query -> execute -> check_query ... (at most 3
+# queries); the writer adapter serves write_query, the checker check_query, and rewrite_query (no adapter) is served
+# the base model and not trained.
+
+SQL_AGENT = Path(__file__).resolve().parent.parent / "examples" / "sql_agent" / "agent.py"
+SQL_PAIR = {"writer": "write_query", "checker": "check_query"}
+
+BY_ATTEMPT = """
+def by_attempt(task, rollout):
+    return float(rollout.get("attempt") or 0)  # the group's two samples differ: GRPO has a gradient
+"""
+SQL_SERVED = """
+SELECT t.rollout_id, t.turn, t.agent, json_extract_string(s.attributes, '$."lightning.adapter"') AS adapter
+FROM trajectory_calls t JOIN spans s ON s.trace_id = t.record_trace_id AND s.span_id = t.record_span_id
+ORDER BY t.rollout_id, t.turn
+"""
+
+
+@pytest.mark.heavy
+def test_a_round_of_the_langgraph_sql_agent_trains_the_writer_and_checker_adapters_on_their_own_calls(engine, tmp_path):
+    import polars as pl
+    from safetensors.torch import load_file
+
+    from lightning_otel.serve.policy import resolve_policy
+    from lightning_otel.span_store import client
+    from lightning_otel.train.checkpoints import export_policy
+    from lightning_otel.train.config import TrainConfig
+    from lightning_otel.train.trainer import train
+    from test_inprocess import singer_tasks, write_tasks
+
+    (tmp_path / "reward.py").write_text(BY_ATTEMPT)
+    run = tmp_path / "run"
+    config = TrainConfig(tasks=str(write_tasks(tmp_path / "tasks.jsonl", singer_tasks(1))), agent=f"{SQL_AGENT}:run",
+                         reward=f"{tmp_path / 'reward.py'}:by_attempt", task_pack="spider", n=2, tasks_per_round=1,
+                         rounds=1, concurrency=2, max_tokens=24, lora_rank=4, lr=1e-3, batch_size=4, micro_batch=2,
+                         adapters=SQL_PAIR, output_dir=str(run), report_to=[], rollout_timeout_s=300)
+    engine.use_base()
+    try:
+        state = train(config, engine=engine)
+        served_after = dict(engine.adapters)
+    finally:
+        engine.use_base()
+    assert state.rounds_completed == 1 and state.policy_version == 1, state
+    assert set(served_after) == set(SQL_PAIR)  # the engine serves both new adapters as policy version 1
+    calls = client.query(SQL_SERVED, run / "traces.duckdb")
+    # each call was served by the adapter of the agent that made it; agents with no adapter by the base model
+    expected = calls["agent"].map_elements(lambda a: adapter_of_agent(SQL_PAIR, a), return_dtype=pl.String)
+    assert calls["adapter"].to_list() == expected.to_list(), calls
+    counts = {name: calls.filter(pl.col("adapter") == name).height for name in SQL_PAIR}
+    assert counts["writer"] and counts["checker"], calls
+    assert "rewrite_query" in calls.filter(pl.col("adapter").is_null())["agent"].to_list()  # the base model's
+    # each adapter trained on its own agent's calls only; the other calls trained nothing
+    record = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert {name: record["adapters"][name]["transitions"] for name in SQL_PAIR} == counts, record
+    assert all(record["adapters"][name]["steps"] >= 1 for name in SQL_PAIR), record
+    assert record["untrained_transitions"] == calls.height - sum(counts.values())
+    # each adapter moved off its start (LoRA B = 0 at the start)
+    checkpoint = run / state.last
+    for name in SQL_PAIR:
+        tensors = load_file(str(checkpoint / "adapters" / name / "adapter_model.safetensors"))
+        assert any(float(t.abs().sum()) > 0 for key, t in tensors.items() if "lora_B" in key), name
+    # the run, and its export, load as the set (serve and eval route by the same patterns)
+    policy = resolve_policy(str(run))
+    assert policy.routes == SQL_PAIR and set(policy.adapters) == set(SQL_PAIR) and policy.version == 1
+    out = export_policy(str(run), tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapters.json", "checker", "writer"]
+    exported = resolve_policy(str(out))
+    assert exported.routes == SQL_PAIR and exported.adapters == {n: (out / n).resolve() for n in SQL_PAIR}
+    with pytest.raises(UserError, match="cannot merge"):
+        export_policy(str(run), tmp_path / "merged", merge=True)
