@@ -148,6 +148,8 @@ def test_the_gateway_serves_each_call_by_its_agents_adapter_and_records_it(engin
             answers[rollout] = _chat(gateway.base_url(rollout), {**body, "model": model},
                                      headers)["choices"][0]["message"]["content"]
         streamed = _stream_text(gateway.base_url("ro-ws"), body, {AGENT_HEADER: "generate_query"})
+        with urllib.request.urlopen(gateway.url + "/v1/models") as response:
+            listed = [m["id"] for m in json.loads(response.read())["data"]]
         gateway.flush()
     finally:
         gateway.close()
@@ -155,6 +157,7 @@ def test_the_gateway_serves_each_call_by_its_agents_adapter_and_records_it(engin
     assert answers == {"ro-w": direct["writer"], "ro-c": direct["checker"], "ro-n": direct["base"],
                        "ro-m": direct["checker"], "ro-x": direct["base"]}
     assert streamed == direct["writer"]
+    assert listed == [engine.base_name, "writer", "checker"]  # the adapters, by the names agents may ask for
     records = dict(client.query(
         "SELECT rollout_id, json_extract_string(attributes, '$.\"lightning.adapter\"') AS adapter FROM spans "
         "WHERE name = 'lightning.generate'", db_path).iter_rows())

@@ -185,7 +185,17 @@ class Learner:
     def training_adapter(self, name: str):
         """One adapter per agent: forward passes and optimizer steps inside move adapter `name` only. The
         others are not in the forward pass (no gradient), their parameter groups step at lr 0, and their Adam
-        moments and step counts are put back as they were after: each adapter keeps its own optimizer state."""
+        moments and step counts are put back as they were after: each adapter keeps its own optimizer state
+        (the learner holds one optimizer, and one DeepSpeed engine, for all of them)."""
+        self.use_adapter(name)
+        try:
+            yield
+        finally:
+            self.end_adapter()
+
+    @collective
+    def use_adapter(self, name: str) -> None:
+        """Start training adapter `name` alone (training_adapter(); every rank makes it)."""
         if name not in self.adapters:
             raise ValueError(f"no adapter {name!r} (this learner has {self.adapters})")
         self.module.set_adapter(name)
@@ -199,27 +209,24 @@ class Learner:
                                                                         for k, v in state[p].items()}
                                                                  for p in group["params"] if p in state}}
                 group["lr"] = 0.0
-        try:
-            yield
-        finally:
-            for i, saved in self._frozen.items():
-                group = self.optimizer.param_groups[i]
-                group["lr"] = saved["lr"]
-                for p in group["params"]:
-                    if id(p) in saved["state"]:
-                        for key, value in saved["state"][id(p)].items():
-                            if torch.is_tensor(value):
-                                state[p][key].copy_(value)
-                            else:
-                                state[p][key] = value
-                    else:
-                        state.pop(p, None)  # it had no state before this adapter's steps
-            self._frozen = {}
 
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps this run has taken (kept across resumes: it is saved with the state)."""
-        return int(self.engine.global_steps)
+    @collective
+    def end_adapter(self) -> None:
+        """The other adapters' learning rates and optimizer state back as use_adapter() found them."""
+        state = self.base_optimizer().state
+        for i, saved in self._frozen.items():
+            group = self.optimizer.param_groups[i]
+            group["lr"] = saved["lr"]
+            for p in group["params"]:
+                if id(p) not in saved["state"]:
+                    state.pop(p, None)  # it had no state before this adapter's steps
+                    continue
+                for key, value in saved["state"][id(p)].items():
+                    if torch.is_tensor(value):
+                        state[p][key].copy_(value)
+                    else:
+                        state[p][key] = value
+        self._frozen = {}
 
     def train_mode(self, on: bool) -> None:
         self.engine.train(on)
