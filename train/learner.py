@@ -228,6 +228,11 @@ class Learner:
                         state[p][key] = value
         self._frozen = {}
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps this run has taken (kept across resumes: it is saved with the state)."""
+        return int(self.engine.global_steps)
+
     def train_mode(self, on: bool) -> None:
         self.engine.train(on)
 
