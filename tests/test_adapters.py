@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tomllib
 import urllib.request
@@ -87,6 +88,15 @@ def test_each_request_names_the_agent_the_store_derives_for_its_call(tmp_path):
     sent = [h.get(AGENT_HEADER) for h in stub.headers]
     assert sent == stored, (sent, stored)
     assert {"generate_query", "check_query"} <= set(sent)
+
+
+def test_the_agent_header_can_be_turned_off():
+    import sys
+    code = ("from lightning_otel.capture import agent_header as h; h.install(); print(h._installed)")
+    for value, installed in (("0", "False"), ("1", "True")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "LIGHTNING_OTEL_AGENT_HEADER": value})
+        assert out.stdout.strip() == installed, out.stderr[-1000:]
 
 
 # ---- the gateway serves each call by its agent's adapter (real engine, two LoRA adapters) -------------------

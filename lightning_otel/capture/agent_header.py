@@ -16,6 +16,7 @@ import of openai here.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from typing import Any
@@ -26,6 +27,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 log = logging.getLogger(__name__)
 HEADER = "x-lightning-agent"
+OFF_ENV = "LIGHTNING_OTEL_AGENT_HEADER"  # "0" / "false": send no agent header (e.g. to a third-party endpoint)
 MODULE = "openai._base_client"
 METHODS = ("SyncAPIClient._build_request", "AsyncAPIClient._build_request")
 _LLM_OR_TOOL_OPS = ("chat", "text_completion", "generate_content", "execute_tool")
@@ -123,7 +125,7 @@ def request_agent(headers: Any) -> str | None:
 def install() -> None:
     """Wrap the OpenAI client's request building once openai imports it (now, if it already has)."""
     global _installed
-    if _installed:
+    if _installed or os.environ.get(OFF_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return
     import wrapt
 
