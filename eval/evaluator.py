@@ -137,6 +137,8 @@ def evaluate(config: EvalConfig, engine: PolicyEngine | None = None,
     baseline = read_summary(config.baseline) if config.baseline else None
     policy = None if config.base_url else resolve_policy(config.model, config.engine_python)
     described = policy.to_dict() if policy is not None else outside_policy(config.base_url, config.base_model)
+    if policy is not None:
+        rollout_config.adapters = dict(policy.routes)  # one adapter per agent: the gateway routes calls as trained
     log.info("policy: %s", described)
     config.report.mkdir(parents=True, exist_ok=True)
     started = time.time()

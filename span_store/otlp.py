@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,6 +26,7 @@ try:
 except ImportError:  # built without a C compiler: the pure-Python decoder does the same work, slower
     _otlp_fast = None
 
+from lightning_otel.capture.agent_header import agent_name as _agent_name  # the one Python definition
 from lightning_otel.span_store.otlp_values import (DecodeFailure, ValueTooDeep, as_int, as_str, clamp_ns, dumps_json,
                                                     id_problem, js_attrs, js_body, js_enum, js_id, js_list, js_time,
                                                     pb_attrs, pb_body, pick)
@@ -113,31 +113,6 @@ def _append_identity(columns: dict[str, list], attrs: dict[str, Any], res: _Reso
     columns["task_id"].append(res.task_id if task is None else str(task))
     attempt = attrs.get(ATTEMPT_KEY)
     columns["attempt"].append(res.attempt if attempt is None else as_int(attempt))
-
-
-_LLM_OR_TOOL_OPS = ("chat", "text_completion", "generate_content", "execute_tool")
-_AGENT_OPS = ("invoke_agent", "create_agent", "execute_task")
-_AGENT_NAME_PREFIX = re.compile(r"(invoke.agent|execute.task) ", re.DOTALL)  # SQL LIKE: '_' is any character
-
-
-def _agent_name(name: str, operation: str | None, attrs: dict[str, Any]) -> str | None:
-    """agent_name_from (migration 0006) on a span's own attributes: the agent, task or graph node it stands
-    for. The SQL macro is the definition; the C decoder has the same code (tests/test_trajectories.py)."""
-    agent, kind = as_str(attrs.get("gen_ai.agent.name")), as_str(attrs.get("traceloop.span.kind"))
-    if agent is not None and operation not in _LLM_OR_TOOL_OPS:
-        return agent
-    if kind in ("agent", "task"):
-        for value in (agent, as_str(attrs.get("crewai.agent.role")), as_str(attrs.get("traceloop.entity.name")),
-                      as_str(attrs.get("gen_ai.task.name"))):
-            if value is not None:
-                return value
-        return re.sub(r"\.(agent|task)\Z", "", name, count=1)
-    if operation in _AGENT_OPS or _AGENT_NAME_PREFIX.match(name):
-        for value in (agent, as_str(attrs.get("gen_ai.task.name")), as_str(attrs.get("traceloop.entity.name"))):
-            if value is not None:
-                return value
-        return re.sub(r"^(invoke_agent|execute_task|create_agent) ", "", name, count=1)
-    return None
 
 
 class _Columns:

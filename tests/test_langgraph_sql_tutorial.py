@@ -47,6 +47,7 @@ class StubModel(ThreadingHTTPServer):
 
     def __init__(self):
         self.requests: list[dict] = []
+        self.headers: list[dict] = []  # each request's headers, lower-case names
         super().__init__(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -59,6 +60,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - the http.server interface
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append(body)
+        self.server.headers.append({k.lower(): v for k, v in self.headers.items()})
         answer = scripted_answer(body)
         message = {"role": "assistant", "content": answer.get("content")}
         if "name" in answer:

@@ -4,13 +4,17 @@ loads. The trainer serves merged copies of its checkpoints the same way. Each ex
 (README.md, train/model_card.py).
 
     lightning-otel export-policy runs/sql --out sql-policy [--merge] [--eval-report DIR]
+
+A run with one adapter per agent exports one folder per adapter and adapters.json (their agent patterns).
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.adapters import MANIFEST
 from lightning_otel.serve.policy import resolve_policy
 from lightning_otel.train.model_card import base_model_of, name_hub_base, write_model_card
 
@@ -28,7 +32,13 @@ def export_policy(spec: str, out: Path, merge: bool = False, python: str | None 
     if missing:
         raise UserError(f"--eval-report {', '.join(missing)}: no summary.json there; give the --report folder of "
                         f"`lightning-otel eval`")
-    if policy.adapter is None:
+    if policy.adapters:
+        if merge:
+            raise UserError(f"{spec} holds one adapter per agent ({', '.join(policy.adapters)}): they cannot merge "
+                            f"into one model; export them without --merge (one folder per adapter)")
+        export_adapters(policy, out)
+        kind = "set of LoRA adapters"
+    elif policy.adapter is None:
         shutil.copytree(policy.base_model, out, dirs_exist_ok=True)
         kind = "model folder"
     elif not merge:
@@ -39,6 +49,18 @@ def export_policy(spec: str, out: Path, merge: bool = False, python: str | None 
         merge_adapter(policy.base_model, policy.adapter, out)
         kind = "merged model folder"
     write_model_card(policy, out, kind, [Path(r) for r in eval_reports])
+    return out
+
+
+def export_adapters(policy, out: Path) -> Path:
+    """One adapter per agent: each adapter into `out/<name>`, and `out/adapters.json` (patterns and folders), which
+    `serve`, `eval` and `--model` read back."""
+    base = base_model_of(policy)
+    for name, folder in policy.adapters.items():
+        shutil.copytree(folder, out / name, dirs_exist_ok=True)
+        name_hub_base(out / name, base)
+    (out / MANIFEST).write_text(json.dumps({"adapters": policy.routes, "folders": {n: n for n in policy.adapters}},
+                                           indent=1) + "\n")
     return out
 
 

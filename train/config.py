@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.adapters import check_adapters
 from lightning_otel.serve.prompts import load_patches
 from lightning_otel.serve.toolcalls import FORMATS
 from lightning_otel.train.losses import AGGREGATIONS, CRITIC_ADVANTAGES, TOKEN_RETURNS
@@ -67,6 +68,9 @@ class TrainConfig:
     # credit (DESIGN §4)
     gamma: float = 1.0
     agents: str = ""                  # regex over whole agent names: train only their LLM calls ("" = all)
+    adapters: dict[str, str] = field(default_factory=dict)  # one LoRA adapter per agent group: {name = "agent regex"}
+                                      # (docs/training.md, "One adapter per agent"); agents matching none are
+                                      # served the base model and not trained
     advantage: str = "per-rollout"    # transitions/credit.py; reinforce-pp: REINFORCE++, per token (train/losses.py);
                                       # ppo: PPO with a learned critic, GAE over each rollout's turns
     merge_turns: bool = False
@@ -202,8 +206,22 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(f"train config: {message}")
+        self._check_adapters()
         if self.prompt:
             load_patches(Path(self.prompt).expanduser())  # a bad patch file fails here, before anything starts
+
+    def _check_adapters(self) -> None:
+        self.adapters = check_adapters(self.adapters, "train config: adapters")
+        if not self.adapters:
+            return
+        clashes = [(self.full_finetune, "full_finetune = true trains the whole model, not adapters"),
+                   (self.serve_merged, "serve_merged = true serves one merged model, not one adapter per agent"),
+                   (bool(self.sft_tasks), "the SFT warm start trains one policy for every agent (sft_tasks)"),
+                   (self.critic != "head" and self.advantage in CRITIC_ADVANTAGES,
+                    f"critic = {self.critic!r}: with adapters the critic is the value head (critic = head)")]
+        for clash, why in clashes:
+            if clash:
+                raise UserError(f"train config: adapters = {self.adapters}: {why}; unset one of them")
 
     def _take_deprecated_keys(self) -> None:
         """Keys of the previous release: each is mapped onto its new key (migrate_saved, the one mapping, also

@@ -65,6 +65,11 @@ HELP: dict[str, str] = {
     # credit
     "gamma": "Discount per later LLM call in the returns (1: every call gets the episode reward).",
     "agents": "Regex over whole agent names: train only the LLM calls of matching agents (empty: all).",
+    "adapters": "One LoRA adapter per group of agents: a table of adapter names and regexes over whole agent "
+                "names, e.g. `{writer = \"generate_query\", checker = \"check_query\"}` (key=value: "
+                "`adapters=writer:generate_query,checker:check_query`). Each adapter serves and trains on its "
+                "agents' calls only; agents matching none are served the base model and not trained (empty: one "
+                "adapter for every agent). See \"One adapter per agent\".",
     "advantage": "`per-rollout` (group baseline), `per-transition`, `batch-baseline`, `reinforce-pp` "
                  "(REINFORCE++: one baseline over the round, per token), `ppo` (a learned critic, GAE over each "
                  "rollout's turns) or `none`.",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import json
 import logging
 import os
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_otel.serve.adapters import MANIFEST
 from lightning_otel.serve.engine import native_bf16
 from lightning_otel.train import distributed
 from lightning_otel.train.batch import (Batch, Scores, completion_logprobs, completion_scores,
@@ -78,6 +80,39 @@ def slow_bf16_warning(config: TrainConfig, native: bool) -> str | None:
             f"measured on an AVX2 CPU). Set {setting} = false on this machine.")
 
 
+def adapter_param_groups(model: torch.nn.Module, adapters: list[str]) -> list[dict]:
+    """The optimizer's parameter groups: one per named adapter (its LoRA matrices, made trainable), in order,
+    then the rest that trains (full fine-tuning; PEFT's modules_to_save); without adapters one group."""
+    if not adapters:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    groups: list[dict] = [{"params": []} for _ in adapters]
+    rest = []
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        owner = next((parts[i + 1] for i, part in enumerate(parts[:-1]) if part.startswith("lora_")), None)
+        if owner in adapters:
+            p.requires_grad_(True)
+            groups[adapters.index(owner)]["params"].append(p)
+        elif p.requires_grad:
+            rest.append(p)
+    return groups + ([{"params": rest}] if rest else [])
+
+
+def _module_params(learner: "Learner", group: dict) -> list[torch.nn.Parameter]:
+    """The module's parameters of adapter group `group` (ZeRO's groups hold flat copies: found by name)."""
+    index = next(i for i, g in enumerate(learner.optimizer.param_groups) if g is group)
+    name = learner.adapters[index]
+    return [p for n, p in learner.module.named_parameters() if f".{name}." in n and ".lora_" in n]
+
+
+def write_manifest(folder: Path, adapters: dict[str, str]) -> Path:
+    """`folder/adapters.json`: the adapters (name -> agent pattern, in routing order) and their folders."""
+    path = folder / MANIFEST
+    path.write_text(json.dumps({"adapters": adapters, "folders": {name: f"adapters/{name}" for name in adapters}},
+                               indent=1) + "\n")
+    return path
+
+
 class Learner:
     """The trainable policy. `logprobs(batch)` is differentiable; `reference_logprobs(batch)` is not. With an
     advantage that needs a value model (losses.CRITIC_ADVANTAGES: PPO) it also holds the critic
@@ -91,6 +126,8 @@ class Learner:
         distributed.announce("learner", {"model_dir": Path(model_dir), "config": config})
         self.rank, self.world = distributed.rank(), distributed.world()
         self.config, self.model_dir = config, Path(model_dir)
+        self.adapters = list(config.adapters)  # one LoRA adapter per agent group (empty: one for all)
+        self._frozen: dict[int, dict] = {}  # while one adapter trains: the other groups' index -> saved lr, state
         if warning := slow_bf16_warning(config, native_bf16(gpu=torch.cuda.is_available())):
             log.warning(warning)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -110,12 +147,14 @@ class Learner:
         else:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
-                                                     target_modules=LORA_TARGETS, lora_dropout=0.0,
-                                                     task_type="CAUSAL_LM"))
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.trainable = sum(p.numel() for p in params)
-        optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
+            lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=LORA_TARGETS,
+                              lora_dropout=0.0, task_type="CAUSAL_LM")
+            model = get_peft_model(model, lora, **({"adapter_name": self.adapters[0]} if self.adapters else {}))
+            for name in self.adapters[1:]:  # one adapter per agent group, each drawn after the one before
+                model.add_adapter(name, lora)
+        groups = adapter_param_groups(model, self.adapters)
+        self.trainable = sum(p.numel() for group in groups for p in group["params"])
+        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
         distributed_env()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=deepspeed_config(config))
@@ -132,11 +171,62 @@ class Learner:
 
     @collective
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for i, group in enumerate(self.optimizer.param_groups):
+            if i in self._frozen:
+                self._frozen[i]["lr"] = lr
+            else:
+                group["lr"] = lr
 
     def learning_rate(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        live = [g for i, g in enumerate(self.optimizer.param_groups) if i not in self._frozen]
+        return float(live[0]["lr"])
+
+    @contextlib.contextmanager
+    def training_adapter(self, name: str):
+        """One adapter per agent: forward passes and optimizer steps inside move adapter `name` only. The
+        others are not in the forward pass (no gradient), their parameter groups step at lr 0, and their Adam
+        moments and step counts are put back as they were after: each adapter keeps its own optimizer state
+        (the learner holds one optimizer, and one DeepSpeed engine, for all of them)."""
+        self.use_adapter(name)
+        try:
+            yield
+        finally:
+            self.end_adapter()
+
+    @collective
+    def use_adapter(self, name: str) -> None:
+        """Start training adapter `name` alone (training_adapter(); every rank makes it)."""
+        if name not in self.adapters:
+            raise ValueError(f"no adapter {name!r} (this learner has {self.adapters})")
+        self.module.set_adapter(name)
+        for group in self.optimizer.param_groups[:len(self.adapters)]:  # set_adapter freezes the others
+            for p in _module_params(self, group):
+                p.requires_grad_(True)
+        state = self.base_optimizer().state
+        for i, group in enumerate(self.optimizer.param_groups[:len(self.adapters)]):
+            if self.adapters[i] != name:
+                self._frozen[i] = {"lr": group["lr"], "state": {id(p): {k: v.clone() if torch.is_tensor(v) else v
+                                                                        for k, v in state[p].items()}
+                                                                 for p in group["params"] if p in state}}
+                group["lr"] = 0.0
+
+    @collective
+    def end_adapter(self) -> None:
+        """The other adapters' learning rates and optimizer state back as use_adapter() found them."""
+        state = self.base_optimizer().state
+        for i, saved in self._frozen.items():
+            group = self.optimizer.param_groups[i]
+            group["lr"] = saved["lr"]
+            for p in group["params"]:
+                if id(p) not in saved["state"]:
+                    state.pop(p, None)  # it had no state before this adapter's steps
+                    continue
+                for key, value in saved["state"][id(p)].items():
+                    if torch.is_tensor(value):
+                        state[p][key].copy_(value)
+                    else:
+                        state[p][key] = value
+        self._frozen = {}
 
     @property
     def optimizer_steps(self) -> int:
@@ -202,13 +292,17 @@ class Learner:
 
     @collective
     def save_policy(self, folder: Path) -> Path:
-        """What the rollout engine loads: `folder/adapter` (LoRA) or `folder/model` (full weights), written by
-        rank 0 (every rank takes part in gathering ZeRO 3's partitions)."""
-        target = folder / ("model" if self.config.full_finetune else "adapter")
+        """What the rollout engine loads: `folder/adapter` (LoRA), `folder/adapters/<name>` (one adapter per
+        agent; with the manifest `folder/adapters.json`) or `folder/model` (full weights), written by rank 0
+        (every rank takes part in gathering ZeRO 3's partitions)."""
+        target = folder / ("model" if self.config.full_finetune else "adapters" if self.adapters else "adapter")
         with self._gathered():
             if self.rank == 0:
                 target.mkdir(parents=True, exist_ok=True)
+                # PEFT writes each named adapter into a folder of its name (the "default" one into target).
                 self.module.save_pretrained(target, safe_serialization=True)
+                if self.adapters:
+                    write_manifest(folder, self.config.adapters)
         if self.config.full_finetune and self.rank == 0:
             self.tokenizer.save_pretrained(target)
         return target

@@ -74,7 +74,7 @@ def write_model_card(policy: Policy, out: Path, kind: str, eval_reports: list[Pa
     card = out / CARD
     if card.exists():
         card.rename(out / BASE_CARD)
-    adapter = kind == "LoRA adapter"
+    adapter = kind in ("LoRA adapter", "set of LoRA adapters")
     front = ["---", *([f"base_model: {base.name}"] if base.hub else []),
              f"library_name: {'peft' if adapter else 'transformers'}",
              "tags:", "- lightning-otel", *(["- lora"] if adapter else []), "---", ""]
@@ -87,6 +87,11 @@ def write_model_card(policy: Policy, out: Path, kind: str, eval_reports: list[Pa
                   + f"` in lightning-otel, or `from_pretrained({base.name!r}{revision})` in transformers."]
     if (out / BASE_CARD).exists():
         lines += ["", f"The copied model's own card is kept as {BASE_CARD}."]
+    if policy.adapters:
+        lines += ["", "## Adapters", "", "One LoRA adapter per agent, each in the folder of its name (adapters.json "
+                  "lists them); a call is served by the adapter whose pattern matches its agent's whole name first, "
+                  "and by the base model when none does:", "",
+                  *[f"- `{name}`: agents matching `{pattern}`" for name, pattern in policy.routes.items()]]
     lines += ["", *_training(policy.run_dir), *_evaluation(policy.run_dir, eval_reports)]
     card.write_text("\n".join(lines).rstrip() + "\n")
     return card

@@ -22,6 +22,7 @@ from typing import Callable
 from lightning_otel.errors import UserError
 from lightning_otel.serve.hub import recorded_model
 from lightning_otel.span_store import client
+from lightning_otel.train.adapter_rounds import optimize_adapters, split_by_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import open_metrics
 from lightning_otel.train.optimize import optimize
@@ -85,9 +86,17 @@ def train_offline(config: TrainConfig, db: Path, where: str | None = None, objec
         metrics = open_metrics(config, folder.path)
         if objective == "sft":
             learner.set_lr(config.sft_lr)
-        stats = optimize(learner, rows, config, objective, seed=config.seed, epochs=config.epochs,
-                         progress=(lambda d, t: progress(f"offline {objective}", d, t)) if progress else None,
-                         on_step=metrics.write_step)
+        by_adapter: dict = {}
+        if config.adapters:  # each adapter on its agents' transitions (train/adapter_rounds.py)
+            groups, untrained = split_by_adapter(Path(db), rows, config.adapters)
+            stats, per = optimize_adapters(
+                learner, groups, config, config.seed, on_step=metrics.write_step, objective=objective,
+                progress=(lambda name, d, t: progress(f"offline {objective} {name}", d, t)) if progress else None)
+            by_adapter = {"adapters": per, "untrained_transitions": untrained}
+        else:
+            stats = optimize(learner, rows, config, objective, seed=config.seed, epochs=config.epochs,
+                             progress=(lambda d, t: progress(f"offline {objective}", d, t)) if progress else None,
+                             on_step=metrics.write_step)
         checkpoint = folder.checkpoint("offline")
         learner.save_policy(checkpoint)
         (checkpoint / "policy.json").write_text('{"policy_version": 1}')
@@ -97,7 +106,7 @@ def train_offline(config: TrainConfig, db: Path, where: str | None = None, objec
         folder.save(state)
         metrics.write({"round": 1, "phase": f"offline-{objective}", "transitions": len(rows),
                        "rollouts": len({r["rollout_id"] for r in rows}), "excluded": dict(account.excluded),
-                       "zero_variance_groups": account.zero_variance_groups, **stats.summary()})
+                       "zero_variance_groups": account.zero_variance_groups, **stats.summary(), **by_adapter})
         metrics.close()
         metrics = None
         return state

@@ -23,7 +23,9 @@ def render_toml(config) -> str:
         value = getattr(config, f.name)
         if value is None:  # a deprecated key, already mapped onto its new one; TOML has no null
             continue
-        if isinstance(value, bool):
+        if isinstance(value, dict):  # an inline table of texts: {"writer" = "generate_query"}
+            text = "{" + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + "}"
+        elif isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, (int, float)):
             text = repr(value)
@@ -55,6 +57,10 @@ def _coerce(name: str, kind: Any, raw: Any, label: str = "train config") -> Any:
             except ValueError as exc:
                 raise UserError(f"{label}: {name} = {raw!r}: {exc}") from None
         return raw
+    if kind == "dict[str, str]":  # a TOML table, or `key={"a": "x"}` as JSON, or `key=a:x,b:y`
+        if isinstance(raw, str):
+            return _text_table(name, raw, label)
+        return raw
     if kind == "list[int]":  # a TOML array, or `key=0,2` / `key=[0, 2]`
         if isinstance(raw, str):
             text = raw.strip().strip("[]")
@@ -76,6 +82,26 @@ def _coerce(name: str, kind: Any, raw: Any, label: str = "train config") -> Any:
         return kind(raw) if not (kind is int and isinstance(raw, float)) else int(raw)
     except (TypeError, ValueError):
         raise UserError(f"{label}: {name} = {raw!r} is not a valid {kind.__name__}") from None
+
+
+def _text_table(name: str, raw: str, label: str) -> dict:
+    """`{"a": "x", "b": "y"}` (JSON) or `a:x,b:y` (patterns holding ',' or ':' need the JSON form)."""
+    if raw.lstrip().startswith("{"):
+        try:
+            table = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{label}: {name} = {raw!r} is not a JSON object ({exc})") from None
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise UserError(f"{label}: {name} = {raw!r}: give an object of texts, e.g. {{\"writer\": \"w.*\"}}")
+        return table
+    table: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        key, sep, value = part.partition(":")
+        if not sep or key.strip() in table:
+            raise UserError(f"{label}: {name} = {raw!r}: give name:pattern pairs, each name once, e.g. "
+                            f"writer:generate_query,checker:check_query (or a JSON object)")
+        table[key.strip()] = value.strip()
+    return table
 
 
 def load_settings(cls: type, label: str, path: Path | None = None, overrides: list[str] = (), **values: Any):

@@ -36,6 +36,7 @@ from lightning_otel.rollouts.packs import pack_for_reward
 from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_rollouts, write_tasks
 from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.hub import parse_hub_id, recorded_model
+from lightning_otel.train.adapter_rounds import optimize_adapters, split_by_adapter
 from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import open_metrics
@@ -139,6 +140,9 @@ class Trainer:
             if not (merged / "config.json").is_file():
                 merge_adapter(self.model_dir, checkpoint / "adapter", merged)
             self.engine.load_model(merged, version)
+        elif self.config.adapters:  # one adapter per agent: all of them, each under its name
+            self.engine.update_adapters({name: checkpoint / "adapters" / name for name in self.config.adapters},
+                                        version)
         else:
             self.engine.update_weights(checkpoint / "adapter", version)
 
@@ -157,7 +161,8 @@ class Trainer:
                                rollout_timeout_s=c.rollout_timeout_s, max_tokens=max_tokens,
                                temperature=temperature, work_dir=self.folder.path / "work", max_calls=max_calls,
                                answers=answers, chat_template=Path(c.chat_template) if c.chat_template else None,
-                               tool_format=c.tool_format or None, prompt=Path(c.prompt) if c.prompt else None)
+                               tool_format=c.tool_format or None, prompt=Path(c.prompt) if c.prompt else None,
+                               adapters=c.adapters)
         return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine,
                             worker=self._agent_worker())
 
@@ -274,9 +279,19 @@ class Trainer:
         # what this round trains on, as `compile` writes it (the viewer colours tokens by these advantages)
         frame.write_parquet(tasks_file.parent / "transitions.parquet")
         rows = frame.to_dicts()
-        stats = optimize(self.learner, rows, c, "grpo", seed=c.seed * 100_003 + r, epochs=c.epochs,
-                         progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done, total),
-                         on_step=self.metrics.write_step)
+        by_adapter: dict = {}
+        if c.adapters:  # each adapter's own pass over the calls it served (train/adapter_rounds.py)
+            groups, untrained = split_by_adapter(self.db, rows, c.adapters)
+            stats, per = optimize_adapters(
+                self.learner, groups, c, c.seed * 100_003 + r, on_step=self.metrics.write_step,
+                progress=lambda name, done, total: self.progress(f"round {r + 1}/{c.rounds} train {name}", done,
+                                                                 total))
+            by_adapter = {"adapters": per, "untrained_transitions": untrained}
+        else:
+            stats = optimize(self.learner, rows, c, "grpo", seed=c.seed * 100_003 + r, epochs=c.epochs,
+                             progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done,
+                                                                        total),
+                             on_step=self.metrics.write_step)
         self.engine.wake()
         no_step = None if stats.steps else (
             account.why_none(c.reward) if not rows
@@ -296,7 +311,7 @@ class Trainer:
             "completion_tokens": sum(len(x["completion_ids"]) for x in rows),
             "zero_variance_groups": zero_variance_groups(summary.results),
             "rollout_seconds": rollout_seconds, "optimizer_steps_total": self.learner.engine.global_steps,
-            **stats.summary(), **({"no_step": no_step} if no_step else {}),
+            **stats.summary(), **by_adapter, **({"no_step": no_step} if no_step else {}),
         }
 
     def _episode_figures(self, ids: set[str]) -> dict:
@@ -370,6 +385,7 @@ def engine_config(config: TrainConfig, model_dir: Path, log_path: Path | None = 
 
     return EngineConfig(model_dir=model_dir, python=config.engine_python or default_engine_python(),
                         max_lora_rank=max(16, config.lora_rank), max_model_len=config.max_length, log_path=log_path,
+                        max_loras=max(1, len(config.adapters)),
                         gpu_memory_utilization=config.gpu_memory_utilization, sleep_mode=config.sleep_mode,
                         extra_args=list(config.engine_args))
 

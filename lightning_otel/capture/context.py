@@ -42,13 +42,18 @@ def new_rollout_id() -> str:
 
 
 def _ensure_baggage_processor() -> None:
-    """When the app set up its own SDK TracerProvider (no opentelemetry-instrument), add our processor."""
+    """When the app set up its own SDK TracerProvider (no opentelemetry-instrument), add our processors (and
+    name each OpenAI request's agent, as the distro does)."""
+    from lightning_otel.capture import agent_header
     from lightning_otel.capture.distro import BaggageToAttributes
     provider = trace.get_tracer_provider()
     add = getattr(provider, "add_span_processor", None)
     active = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", ())
     if add is not None and not any(isinstance(p, BaggageToAttributes) for p in active):
         add(BaggageToAttributes())
+    if add is not None and not any(isinstance(p, agent_header.LiveSpans) for p in active):
+        add(agent_header.LiveSpans())
+        agent_header.install()
 
 
 @contextmanager

@@ -6,6 +6,7 @@ logs exporters on), sends traces over OTLP/HTTP protobuf to the lightning-otel c
 (`LIGHTNING_OTEL_ENDPOINT`, default http://127.0.0.1:4318) besides any exporter the user configured,
 captures message content, copies `lightning.*` baggage onto spans, redacts content by pattern before
 anything leaves the process, makes OpenAI Responses API requests carry the traceparent (responses_context.py),
+names the agent of every OpenAI request in an `x-lightning-agent` header (agent_header.py),
 and says on stderr when an installed instrumentor failed to load.
 `LIGHTNING_OTEL_INSTRUMENTATIONS=openai` (comma-separated entry-point names) loads only those
 instrumentations: the stock loader imports every installed one and the library it instruments, seconds per
@@ -30,7 +31,7 @@ from opentelemetry.sdk._configuration import _OTelSDKConfigurator
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from lightning_otel.capture import responses_context
+from lightning_otel.capture import agent_header, responses_context
 
 ENDPOINT_ENV = "LIGHTNING_OTEL_ENDPOINT"
 TOKEN_ENV = "LIGHTNING_OTEL_TOKEN"
@@ -175,11 +176,12 @@ class LightningDistro(BaseDistro):
     def _configure(self, **kwargs) -> None:
         apply_env_defaults(os.environ)
         responses_context.install()  # Responses API requests carry the traceparent, as chat requests do
+        agent_header.install()  # every OpenAI request names its agent (x-lightning-agent) from the live spans
 
 
 class LightningConfigurator(_OTelSDKConfigurator):
     def _configure(self, **kwargs) -> None:
-        kwargs.setdefault("span_processors", [BaggageToAttributes()])
+        kwargs.setdefault("span_processors", [BaggageToAttributes(), agent_header.LiveSpans()])
         kwargs.setdefault("export_span_processor", _export_processor)
         super()._configure(**kwargs)
 

@@ -97,6 +97,9 @@ class RolloutConfig:
     chat_template: Path | None = None  # a Jinja chat template file the gateway renders prompts with
     tool_format: str | None = None  # the call syntax (serve.toolcalls.FORMATS); None: detected from the template
     prompt: Path | None = None  # a prompt patch file the gateway applies (serve.prompts; docs/prompts.md)
+    # one adapter per agent: {name: agent regex}; the gateway serves each call by its agent's adapter (the engine
+    # must have them loaded: PolicyEngine.update_adapters), calls of no adapter by the base model
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tasks, self.db = Path(self.tasks), Path(self.db)
@@ -543,7 +546,8 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
                                             collector_token=collector_info.ingest_token, chat_template=template,
                                             native_tools=tools.native, tool_format=tools.format,
                                             max_tokens_cap=config.max_tokens, temperature=config.temperature,
-                                            max_calls_per_rollout=config.max_calls, prompts=config.prompts))
+                                            max_calls_per_rollout=config.max_calls, prompts=config.prompts,
+                                            adapters=config.adapters))
     gateway.start()
     owned.callback(gateway.close)
     return gateway

@@ -47,9 +47,11 @@ class Engine(Protocol):
     policy_version: int
     model_name: str
 
-    def generate(self, path: str, body: dict, timeout: float = 600) -> dict: ...
+    # `model`: a served model name (PolicyEngine.served_model: one adapter per agent); None: the current policy.
+    # The gateway passes it only when it routes calls to adapters.
+    def generate(self, path: str, body: dict, timeout: float = 600, model: str | None = None) -> dict: ...
 
-    def stream(self, path: str, body: dict, timeout: float = 600) -> ChunkStream:
+    def stream(self, path: str, body: dict, timeout: float = 600, model: str | None = None) -> ChunkStream:
         """The same generation as OpenAI stream chunks, each as the engine sends it: the first chunk of each
         choice carries `prompt_token_ids`, every chunk its `token_ids` and `logprobs`, a last one the `usage`.
         A refused request raises EngineError here, before any chunk; closing the stream early stops the
@@ -126,11 +128,14 @@ class PolicyEngine(Engine, Protocol):
     url: str
     base_name: str
     base_dir: Path  # the model it started on; load_model() may serve other weights
+    adapters: dict[str, str]  # one adapter per agent: adapter name -> its served LoRA name (update_adapters)
 
     def start(self) -> None: ...
     def attach(self, url: str) -> None: ...
     def stop(self) -> None: ...
     def update_weights(self, adapter_dir: Path, version: int) -> None: ...
+    def update_adapters(self, adapter_dirs: dict[str, Path], version: int) -> None: ...
+    def served_model(self, adapter: str | None) -> str: ...
     def load_model(self, model_dir: Path, version: int) -> None: ...
     def use_base(self) -> None: ...
     def sleep(self) -> None: ...
@@ -221,6 +226,7 @@ class EngineConfig:
     max_model_len: int = 2048
     dtype: str = "auto"  # auto: bfloat16 where it is native (native_bf16), float32 elsewhere
     max_lora_rank: int = 16
+    max_loras: int = 1  # adapters one batch may mix (vLLM --max-loras): the number of adapters per agent
     kv_cache_gib: float = 2.0
     startup_timeout_s: float = 600.0
     log_path: Path | None = None
@@ -240,6 +246,8 @@ class EngineConfig:
             raise UserError(f"engine dtype {self.dtype!r}: use one of {', '.join(ENGINE_DTYPES)}")
         if self.dtype == "auto":
             self.dtype = auto_dtype()
+        if not (isinstance(self.max_loras, int) and self.max_loras >= 1):
+            raise UserError(f"max_loras {self.max_loras!r}: give the number of adapters served at once (>= 1)")
         if self.max_model_len < 64:
             raise UserError(f"max_model_len {self.max_model_len} is too small")
         if not 0 <= self.gpu_memory_utilization < 1:
@@ -335,6 +343,7 @@ class VLLMEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         self.policy_version = 0
         self.model_name = self.base_name = SERVED_NAME
+        self.adapters: dict[str, str] = {}  # one adapter per agent: adapter name -> its served LoRA name
         self.process: subprocess.Popen | None = None
         self.base_dir = Path(config.model_dir)  # what it started on; load_model() may serve other weights
         self.reloads = self.restarts = 0  # how load_model() / use_base() moved it: in place, or by a restart
@@ -345,6 +354,7 @@ class VLLMEngine:
                 "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--enable-lora",
                 "--max-lora-rank", str(c.max_lora_rank), "--disable-log-stats",
+                *(["--max-loras", str(c.max_loras)] if c.max_loras > 1 else []),
                 # Record the logprobs of the distribution each token was sampled from (after temperature):
                 # the trainer computes its own at the same temperature (train/batch.completion_logprobs).
                 "--logprobs-mode", "processed_logprobs",
@@ -456,20 +466,21 @@ class VLLMEngine:
         except ValueError:
             return {"text": raw.decode(errors="replace")}  # e.g. load_lora_adapter answers plain text
 
-    def generate(self, path: str, body: dict, timeout: float = 600) -> dict:
-        """Run an OpenAI request on the current policy, asking for token ids and sampling logprobs."""
-        return self._post(path, self._sampling_request(path, body, stream=False), timeout)
+    def generate(self, path: str, body: dict, timeout: float = 600, model: str | None = None) -> dict:
+        """Run an OpenAI request on the current policy (or the served `model`: served_model()), asking for
+        token ids and sampling logprobs."""
+        return self._post(path, self._sampling_request(path, body, stream=False, model=model), timeout)
 
-    def stream(self, path: str, body: dict, timeout: float = 600) -> EngineStream:
+    def stream(self, path: str, body: dict, timeout: float = 600, model: str | None = None) -> EngineStream:
         """generate(), streamed: vLLM sends the prompt ids with each choice's first chunk, the token ids and
         sampling logprobs with every chunk (return_token_ids, logprobs), and the usage last (include_usage).
         `timeout` bounds each read, not the whole generation."""
-        return EngineStream(self._open(path, self._sampling_request(path, body, stream=True), timeout))
+        return EngineStream(self._open(path, self._sampling_request(path, body, stream=True, model=model), timeout))
 
-    def _sampling_request(self, path: str, body: dict, stream: bool) -> dict:
+    def _sampling_request(self, path: str, body: dict, stream: bool, model: str | None = None) -> dict:
         """`body` for the current policy, asking for token ids and sampling logprobs (a number on the legacy
         completions route), and in a stream for the usage last."""
-        upstream = {**body, "model": self.model_name, "return_token_ids": True, "logprobs": True, "stream": stream}
+        upstream = {**body, "model": model or self.model_name, "return_token_ids": True, "logprobs": True, "stream": stream}
         if path.endswith("/completions") and not path.endswith("/chat/completions"):
             upstream["logprobs"] = 0
         upstream.pop("stream_options", None)
@@ -483,6 +494,27 @@ class VLLMEngine:
     def update_weights(self, adapter_dir: Path, version: int) -> None:
         """Serve a LoRA adapter as the new policy; requests after this call use it."""
         name = f"{self.base_name}-v{version}"
+        self._load_lora(name, adapter_dir)
+        self.model_name, self.policy_version, self.adapters = name, version, {}
+
+    def update_adapters(self, adapter_dirs: dict[str, Path], version: int) -> None:
+        """One adapter per agent: serve each named LoRA adapter as its agents' policy at `version`
+        (served_model(name)); the base model keeps serving the calls of no adapter."""
+        served = {}
+        for adapter, folder in adapter_dirs.items():
+            served[adapter] = f"{self.base_name}-{adapter}-v{version}"
+            self._load_lora(served[adapter], Path(folder))
+        self.adapters = served
+        self.model_name, self.policy_version = self.base_name, version
+
+    def served_model(self, adapter: str | None) -> str:
+        """The model name that serves `adapter`'s calls: its loaded LoRA, else (none loaded yet: the adapters
+        start as the base model) the base model; None: the current policy."""
+        if adapter is None:
+            return self.model_name
+        return self.adapters.get(adapter, self.base_name)
+
+    def _load_lora(self, name: str, adapter_dir: Path) -> None:
         body = {"lora_name": name, "lora_path": str(adapter_dir)}
         try:
             self._post("/v1/load_lora_adapter", body, timeout=300)
@@ -492,7 +524,6 @@ class VLLMEngine:
             # A resumed run (or another run on a shared engine) loads version N again: replace it.
             self._post("/v1/unload_lora_adapter", {"lora_name": name}, timeout=300)
             self._post("/v1/load_lora_adapter", body, timeout=300)
-        self.model_name, self.policy_version = name, version
 
     def load_model(self, model_dir: Path, version: int) -> None:
         """Serve a full model folder as the new policy (full fine-tuning): its weights load into the running
@@ -501,14 +532,14 @@ class VLLMEngine:
             raise UserError("full weights can only be reloaded into an engine started here; with an outside "
                             "engine, train LoRA adapters (full_finetune = false)")
         self._move_to(Path(model_dir))
-        self.model_name, self.policy_version = self.base_name, version
+        self.model_name, self.policy_version, self.adapters = self.base_name, version, {}
 
     def use_base(self) -> None:
         """Serve the base model again (adapters stay loaded in vLLM, unused); an engine that load_model()
         moved to other weights goes back to the model it started with."""
         if self.process is not None:
             self._move_to(self.base_dir)
-        self.model_name, self.policy_version = self.base_name, 0
+        self.model_name, self.policy_version, self.adapters = self.base_name, 0, {}
 
     def _move_to(self, model_dir: Path) -> None:
         if model_dir.resolve() == Path(self.config.model_dir).resolve():

@@ -36,6 +36,10 @@ OpenAI-compatible endpoint instead of the engine, with the patch applied, the te
 request parameters, and are recorded as text (`lightning.forward` spans: no token ids, never trained on). Tools,
 tool calls and streams pass through as the endpoint gives them; legacy completions are refused.
 
+One adapter per agent (`GatewayConfig.adapters`, adapters.py): each call is served by the LoRA adapter its
+request's model names, else by its agent's (the `x-lightning-agent` header the capture distro derives from the
+agent process's live spans), else by the base model; its record carries `lightning.adapter`.
+
 Scripted rollouts (`script()`): the calls of one rollout are answered, in order, with given texts instead of
 samples, so an agent can be walked along a labelled path (the SFT warm start's demonstrations). The engine
 still sees each prompt (generating one token), so the recorded prompt ids are exact; the record carries the
@@ -50,6 +54,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from opentelemetry.propagate import extract
 from opentelemetry.sdk.resources import Resource
@@ -60,6 +65,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, check_exposure
+from lightning_otel.serve.adapters import ADAPTER_ATTRIBUTE, AGENT_HEADER, adapter_for, check_adapters
 from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choice, plan_tools, template_tools,
                                              with_opening)
 from lightning_otel.serve.engine import Engine, EngineError
@@ -133,8 +139,14 @@ class GatewayConfig:
     forward_api_key_env: str | None = None
     forward_model: str | None = None
     forward_timeout_s: float = 300.0
+    # One adapter per agent (adapters.py): {adapter name: regex over whole agent names}. Each call is served by
+    # the adapter its request's model names, else by its agent's (the x-lightning-agent header the capture distro
+    # sends), else by the base model; its record names the adapter (lightning.adapter). Empty: every call is
+    # served by the current policy. The engine must be a PolicyEngine (served_model).
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.adapters = check_adapters(self.adapters, "gateway adapters")
         if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template.strip()):
             raise UserError("chat_template: give the text of a Jinja chat template (or None for the model's own)")
         found = template_tools(None, self.chat_template, self.tool_format)
@@ -171,6 +183,7 @@ class ChatCall:
     scripted: str | None
     stripped: list[str]
     patch: PromptPatch | None = None
+    adapter: str | None = None  # the adapter that serves the call (one adapter per agent), None: the policy
 
 
 class Gateway:
@@ -288,8 +301,16 @@ class Gateway:
         if upstream.get("max_tokens") is None and upstream.get("max_completion_tokens") is None:
             upstream["max_tokens"] = self.config.default_max_tokens
         self._apply_overrides(upstream, scripted, stripped)
-        return ChatCall(body, headers, rollout_id, response_id, str(body.get("model") or self.engine.model_name),
-                        plan, upstream, scripted, stripped, patch)
+        requested = str(body.get("model") or self.engine.model_name)
+        return ChatCall(body, headers, rollout_id, response_id, requested, plan, upstream, scripted, stripped, patch,
+                        self._adapter(requested, headers))
+
+    def _adapter(self, requested_model: str, headers: dict[str, str]) -> str | None:
+        """The adapter that serves a call (adapters.adapter_for); None without adapters configured."""
+        if not self.config.adapters:
+            return None
+        agent = headers.get(AGENT_HEADER)
+        return adapter_for(self.config.adapters, requested_model, None if agent is None else unquote(agent))
 
     def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None, response_id: str | None = None) -> dict:
         """A chat completion, whole (`response_id`: a Responses call's id, to record it under)."""
@@ -309,13 +330,13 @@ class Gateway:
         if call.plan.must_call or call.scripted is not None:
             return FinishedStream(self._whole_chat(call), include_usage)
         started = time.time_ns()
-        chunks = self._generate(call.upstream, stream=True)
+        chunks = self._generate(call.upstream, stream=True, adapter=call.adapter)
 
         def record(index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started_ns: int,
                    ended_ns: int, finish: str | None) -> None:
             self._record(headers, rollout_id, call.requested_model, stream.id, index, prompt_ids, completion_ids,
                          logprobs, started_ns, ended_ns, stripped=call.stripped, finish_reason=finish,
-                         patch=call.patch)
+                         patch=call.patch, adapter=call.adapter)
 
         stream = ChatStream(chunks, record, self.format, call.plan.offered, call.requested_model, response_id,
                             bool(body.get("logprobs")), include_usage, started)
@@ -325,8 +346,8 @@ class Gateway:
         body, headers, rollout_id, scripted = call.body, call.headers, call.rollout_id, call.scripted
         requested_model, plan, stripped = call.requested_model, call.plan, call.stripped
         started = time.time_ns()
-        requests = self._requests(call.upstream, plan, scripted)
-        runs = [(opening, self._generate(request)) for opening, request in requests]
+        requests = self._requests(call.upstream, plan, scripted, call.adapter)
+        runs = [(opening, self._generate(request, adapter=call.adapter)) for opening, request in requests]
         ended = time.time_ns()
         # A Responses call is recorded under its own id.
         response_id = call.response_id or runs[0][1].get("id") or f"chatcmpl-{uuid.uuid4().hex}"
@@ -353,11 +374,12 @@ class Gateway:
                 choices.append(out)
                 self._record(headers, rollout_id, requested_model, response_id, out["index"], prompt_ids,
                              choice.get("token_ids") or [], token_logprobs, started, ended, scripted, stripped,
-                             opening, choice.get("finish_reason"), call.patch)
+                             opening, choice.get("finish_reason"), call.patch, call.adapter)
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": requested_model,
                 "choices": choices, "usage": usage, "_token_pieces": pieces}
 
-    def _requests(self, upstream: dict, plan: ToolPlan, scripted: str | None) -> list[tuple[str, dict]]:
+    def _requests(self, upstream: dict, plan: ToolPlan, scripted: str | None,
+                  adapter: str | None = None) -> list[tuple[str, dict]]:
         """The engine requests that answer a chat request, each with the opening it continues ("" for none):
         one, but for a call forced among several tools, one per tool the name choice picked (its n choices)."""
         if not plan.must_call:
@@ -365,14 +387,14 @@ class Gateway:
         if plan.name is not None or scripted is not None:  # a scripted answer needs the prompt only
             opening = self.format.forced_prefix(plan.name)
             return [(opening, with_opening(upstream, opening))]
-        chosen = self._choose_names(upstream, plan)
+        chosen = self._choose_names(upstream, plan, adapter)
         return [(self.format.forced_prefix(name), with_opening(upstream, self.format.forced_prefix(name),
                                                                 n=chosen.count(name)))
                 for name in dict.fromkeys(chosen)]
 
-    def _choose_names(self, upstream: dict, plan: ToolPlan) -> list[str]:
+    def _choose_names(self, upstream: dict, plan: ToolPlan, adapter: str | None = None) -> list[str]:
         """One offered tool per choice, sampled by the policy with the answer constrained to the names."""
-        result = self._generate(name_choice(upstream, self.format.forced_prefix(None), plan.names))
+        result = self._generate(name_choice(upstream, self.format.forced_prefix(None), plan.names), adapter=adapter)
         names = [((c.get("message") or {}).get("content") or "") for c in result.get("choices", [])]
         if not names or any(name not in plan.names for name in names):
             raise EngineError(502, {"error": {"message": f"the engine's choice of a tool among {list(plan.names)} "
@@ -380,14 +402,15 @@ class Gateway:
                                               "type": "engine_error"}})
         return names
 
-    def _generate(self, request: dict, stream: bool = False) -> Any:
-        """A chat generation (whole, or the engine's open stream); a request the engine refuses because the chat
-        template cannot render it is answered with an error that says so (the engine's own message gives only
-        the template's reason)."""
+    def _generate(self, request: dict, stream: bool = False, adapter: str | None = None) -> Any:
+        """A chat generation (whole, or the engine's open stream) by the policy, or by `adapter`'s model; a request
+        the engine refuses because the chat template cannot render it is answered with an error that says so (the
+        engine's own message gives only the template's reason)."""
+        served = self._served(adapter)
         try:
             if stream:
-                return self.engine.stream("/v1/chat/completions", request)
-            return self.engine.generate("/v1/chat/completions", request)
+                return self.engine.stream("/v1/chat/completions", request, **served)
+            return self.engine.generate("/v1/chat/completions", request, **served)
         except EngineError as exc:
             if exc.status != 400:
                 raise
@@ -399,6 +422,10 @@ class Gateway:
             hint = ("; start vLLM with --trust-request-chat-template, or give the gateway no chat_template"
                     if "trust-request-chat-template" in reason else "")
             raise BadRequest(f"{which} could not render this request: {reason}{hint}", "messages") from None
+
+    def _served(self, adapter: str | None) -> dict:
+        """The engine's `model` argument for a call (none without adapters configured: the current policy)."""
+        return {"model": self.engine.served_model(adapter)} if self.config.adapters else {}
 
     def _render_failure(self, request: dict) -> str | None:
         """Why the engine cannot render `request`'s prompt, or None when it can (the refusal was another)."""
@@ -460,11 +487,12 @@ class Gateway:
         stripped = self._off_policy(body, rollout_id)
         scripted = self._count_call(rollout_id)
         requested_model = str(body.get("model") or self.engine.model_name)
+        adapter = self._adapter(requested_model, headers)
         upstream = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         upstream.setdefault("max_tokens", self.config.default_max_tokens)
         self._apply_overrides(upstream, scripted, stripped)
         started = time.time_ns()
-        result = self.engine.generate("/v1/completions", upstream)
+        result = self.engine.generate("/v1/completions", upstream, **self._served(adapter))
         ended = time.time_ns()
         choices = []
         for choice in result.get("choices", []):
@@ -476,14 +504,15 @@ class Gateway:
                             "finish_reason": choice.get("finish_reason"), "logprobs": None})
             self._record(headers, rollout_id, requested_model, result.get("id"), index,
                          choice.get("prompt_token_ids") or [], choice.get("token_ids") or [], logprobs, started, ended,
-                         scripted, stripped, finish_reason=choice.get("finish_reason"))
+                         scripted, stripped, finish_reason=choice.get("finish_reason"), adapter=adapter)
         return {"id": result.get("id"), "object": "text_completion", "created": int(time.time()),
                 "model": requested_model, "choices": choices, "usage": _usage(result)}
 
     def _record(self, headers: dict[str, str], rollout_id: str | None, requested_model: str, response_id: Any,
                 index: int, prompt_ids: list[int], completion_ids: list[int], logprobs: list, started: int,
                 ended: int, scripted: str | None = None, stripped: list[str] = (), forced_prefix: str = "",
-                finish_reason: str | None = None, patch: PromptPatch | None = None) -> None:
+                finish_reason: str | None = None, patch: PromptPatch | None = None,
+                adapter: str | None = None) -> None:
         attributes = {
             "lightning.policy.version": self.engine.policy_version, "lightning.engine": self.engine.name,
             "gen_ai.request.model": requested_model, "lightning.choice.index": index,
@@ -504,6 +533,8 @@ class Gateway:
             attributes[FINISH_ATTRIBUTE] = [finish_reason]
         if patch is not None:  # the prompt ids are the patched prompt's; an unpatched call records nothing here
             attributes.update(patch.record())
+        if adapter is not None:  # one adapter per agent: the adapter that served it (absent: the base model)
+            attributes[ADAPTER_ATTRIBUTE] = adapter
         span = self.tracer.start_span(GENERATE_SPAN, context=extract(headers), kind=SpanKind.SERVER,
                                       start_time=started, attributes=attributes)
         span.end(end_time=ended)

@@ -134,9 +134,13 @@ class GatewayHandler(KeepAliveHandler):
                 return self._json(exc.status, exc.body)
         if path in ("/v1/models", "/models"):
             engine = self.server.gateway.engine
+            # one adapter per agent: each adapter too, by the name an agent may ask for it by
+            adapters = [{"id": name, "object": "model", "owned_by": "lightning-otel", "adapter_of": pattern,
+                         "policy_version": engine.policy_version}
+                        for name, pattern in self.server.gateway.config.adapters.items()]
             return self._json(200, {"object": "list", "data": [
                 {"id": engine.model_name, "object": "model", "owned_by": "lightning-otel",
-                 "policy_version": engine.policy_version}]})
+                 "policy_version": engine.policy_version}, *adapters]})
         if path == "/health":
             return self._json(200, {"status": "ok"})
         self._error(404, f"no endpoint GET {path}", "not_found")

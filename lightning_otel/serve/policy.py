@@ -9,6 +9,8 @@ Accepted values, checked in this order:
   (a path relative to the run folder, e.g. "checkpoints/round-0003"), resolved as below.
 - a checkpoint folder with `adapter/`: that LoRA adapter (and its `merged/` copy when the trainer wrote one,
   which an engine already running on it serves as is); with `model/`: that full model folder.
+- a checkpoint (or exported policy) with one adapter per agent (has `adapters.json`: the agent patterns and
+  each adapter's folder): every adapter, served under its name, routed by agent (serve/adapters.py).
 - a PEFT LoRA adapter folder (has `adapter_config.json`). Its base model is the `model` key of the
   nearest run.json above it (up to three levels: adapter -> checkpoint -> checkpoints -> run), else the
   adapter config's `base_model_name_or_path` when that is a local model folder, else the bundled model.
@@ -23,10 +25,11 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.adapters import MANIFEST, check_adapters
 from lightning_otel.serve.hub import parse_hub_id, resolve_hub_model
 
 log = logging.getLogger(__name__)
@@ -48,11 +51,16 @@ class Policy:
     run_dir: Path | None = None  # the training run it came from (its metrics.jsonl feeds reports)
     merged: Path | None = None   # the checkpoint's merged/ copy (serve_merged): base + adapter as full weights,
                                  # served instead of the adapter by an engine already running on it
+    # one adapter per agent: each adapter's folder by name, and the agent patterns that route calls to them
+    adapters: dict[str, Path] = field(default_factory=dict)
+    routes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"base_model": str(self.base_model), "adapter": str(self.adapter) if self.adapter else None,
                 "label": self.label, "version": self.version,
-                "run_dir": str(self.run_dir) if self.run_dir else None}
+                "run_dir": str(self.run_dir) if self.run_dir else None,
+                **({"adapters": {k: str(v) for k, v in self.adapters.items()}, "routes": self.routes}
+                   if self.adapters else {})}
 
 
 def resolve_policy(spec: str | Path, python: str | None = None) -> Policy:
@@ -101,6 +109,8 @@ def _from_run(run_dir: Path, python: str | None) -> Policy:
 def _from_folder(path: Path, python: str | None, run_dir: Path | None, label: str) -> Policy:
     version = _recorded_version(path) or _round_of(path) or \
         (_round_of(path.parent) if path.name in ("adapter", "model") else 0)
+    if (path / MANIFEST).is_file():
+        return _from_manifest(path, python, run_dir, label, version)
     if (path / "adapter").is_dir():
         policy = _from_adapter(path / "adapter", python, run_dir, label, version)
         merged = path / "merged"
@@ -127,6 +137,27 @@ def _from_adapter(adapter: Path, python: str | None, run_dir: Path | None, label
     run_dir = run_dir or _run_above(adapter)
     base = _base_of_adapter(adapter, config, run_dir, python)
     return Policy(base, adapter, label, version or 1, run_dir)
+
+
+def _from_manifest(folder: Path, python: str | None, run_dir: Path | None, label: str, version: int) -> Policy:
+    """One adapter per agent: adapters.json's patterns and folders (relative to `folder`)."""
+    run_dir = run_dir or _run_above(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        routes = check_adapters(manifest["adapters"], f"{folder / MANIFEST}: adapters")
+        folders = {name: (folder / str(manifest["folders"][name])).resolve() for name in routes}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{folder / MANIFEST} is not an adapters manifest ({exc}): it holds {{\"adapters\": "
+                        f"{{name: agent pattern}}, \"folders\": {{name: folder}}}}, as train writes it") from None
+    if not routes:
+        raise UserError(f"{folder / MANIFEST} names no adapter")
+    policies = {name: _from_adapter(path, python, run_dir, label, version) for name, path in folders.items()}
+    bases = {p.base_model.resolve() for p in policies.values()}
+    if len(bases) != 1:
+        raise UserError(f"{folder / MANIFEST}: its adapters have different base models ({sorted(map(str, bases))}); "
+                        f"one engine serves one base model")
+    first = next(iter(policies.values()))
+    return Policy(first.base_model, None, label, first.version, first.run_dir, adapters=folders, routes=routes)
 
 
 def _run_above(adapter: Path) -> Path | None:

@@ -33,10 +33,12 @@ def engine_for_policy(policy: Policy, engine: PolicyEngine | None, owned: ExitSt
     """The engine serving `policy` (eval, rollout, serve): the one given (switched to the policy, back on its
     own base model when a trainer left it on merged weights, its policy restored when `owned` closes), or one
     started here on the policy's base model and stopped when `owned` closes."""
+    adapters = [policy.adapter] if policy.adapter else list(policy.adapters.values())
+    rank = max([adapter_rank(a) for a in adapters] or [8])
     if engine is None:
-        rank = adapter_rank(policy.adapter) if policy.adapter else 8
         engine = VLLMEngine(EngineConfig(model_dir=policy.base_model, python=python or default_engine_python(),
-                                         max_lora_rank=max(16, rank), log_path=log_path))
+                                         max_lora_rank=max(16, rank), log_path=log_path,
+                                         max_loras=max(1, len(policy.adapters))))
         log.info("starting the vLLM engine on %s (about a minute on CPU)", policy.base_model)
         engine.start()
         owned.callback(engine.stop)
@@ -54,17 +56,23 @@ def engine_for_policy(policy: Policy, engine: PolicyEngine | None, owned: ExitSt
         if served != wanted:
             raise UserError(f"the running engine serves {served}, but policy {policy.label} needs model "
                             f"{policy.base_model}; let the command start its own engine (or load_model() it first)")
-        if policy.adapter and adapter_rank(policy.adapter) > engine.config.max_lora_rank:
-            raise UserError(f"adapter {policy.adapter} has rank {adapter_rank(policy.adapter)}, above the running "
-                            f"engine's max_lora_rank {engine.config.max_lora_rank}")
-        previous = (engine.model_name, engine.policy_version)
+        if adapters and rank > engine.config.max_lora_rank:
+            raise UserError(f"policy {policy.label} has an adapter of rank {rank}, above the running engine's "
+                            f"max_lora_rank {engine.config.max_lora_rank}")
+        previous = (engine.model_name, engine.policy_version, engine.adapters)
 
         def restore() -> None:
             if Path(engine.config.model_dir).resolve() == served:
-                engine.model_name, engine.policy_version = previous
+                engine.model_name, engine.policy_version, engine.adapters = previous
 
         owned.callback(restore)
-    if policy.adapter is not None:
+    if policy.adapters:
+        try:
+            engine.update_adapters(policy.adapters, policy.version)
+        except EngineError as exc:
+            raise UserError(f"the engine could not load the adapters {sorted(policy.adapters)} of {policy.label} "
+                            f"as policy version {policy.version}: {exc}") from None
+    elif policy.adapter is not None:
         try:
             engine.update_weights(policy.adapter, policy.version)
         except EngineError as exc:
@@ -126,7 +134,8 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
         else:
             engine = engine_for_policy(policy, engine, owned, python)
             tools = template_tools(policy.base_model, template, tool_format)
-            gateway = Gateway(engine, replace(settings, native_tools=tools.native, tool_format=tools.format))
+            gateway = Gateway(engine, replace(settings, native_tools=tools.native, tool_format=tools.format,
+                                              adapters=dict(policy.routes)))
         gateway.start()
         owned.callback(gateway.close)
         if ready:

@@ -28,6 +28,7 @@ from pathlib import Path
 import polars as pl
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.adapters import agent_regex
 from lightning_otel.serve.chat_tools import read_chat_template
 from lightning_otel.serve.toolcalls import tool_format
 from lightning_otel.span_store import client
@@ -117,7 +118,7 @@ class CompileConfig:
                                 f"the gateway rendered with")
         if self.agents is not None:
             try:
-                re.compile(self.agents)
+                re.compile(agent_regex(self.agents))
             except re.error as exc:
                 raise UserError(f"agents = {self.agents!r} is not a regular expression: {exc}") from None
 
@@ -228,7 +229,7 @@ def _compile(config: CompileConfig, read: trajectories.Read) -> tuple[pl.DataFra
     calls = calls.with_columns(pl.len().over("rollout_id").alias("_calls"),  # before any agent selection
                                pl.col("generation_version").min().over("rollout_id").alias("_record_version"))
     if config.agents is not None:
-        calls = calls.filter(pl.col("agent").fill_null("").str.contains(f"^(?:{config.agents})$"))  # whole name
+        calls = calls.filter(pl.col("agent").fill_null("").str.contains(agent_regex(config.agents)))  # whole name
     has_calls = with_reward.join(calls.select("rollout_id").unique(), on="rollout_id", how="semi")
     exclude(with_reward.join(has_calls, on="rollout_id", how="anti"),
             "no LLM call" if config.agents is None else "no LLM call of the selected agents")
