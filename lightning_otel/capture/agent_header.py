@@ -25,6 +25,8 @@ from urllib.parse import quote
 from opentelemetry import context, trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
+from lightning_otel.capture.hooks import wrap_when_imported
+
 log = logging.getLogger(__name__)
 HEADER = "x-lightning-agent"
 OFF_ENV = "LIGHTNING_OTEL_AGENT_HEADER"  # "0" / "false": send no agent header (e.g. to a third-party endpoint)
@@ -34,7 +36,6 @@ _LLM_OR_TOOL_OPS = ("chat", "text_completion", "generate_content", "execute_tool
 _AGENT_OPS = ("invoke_agent", "create_agent", "execute_task")
 _AGENT_NAME_PREFIX = re.compile(r"(invoke.agent|execute.task) ", re.DOTALL)  # SQL LIKE: '_' is any character
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
-_installed = False
 
 
 def _text(value: Any) -> str | None:
@@ -124,22 +125,9 @@ def request_agent(headers: Any) -> str | None:
 
 def install() -> None:
     """Wrap the OpenAI client's request building once openai imports it (now, if it already has)."""
-    global _installed
-    if _installed or os.environ.get(OFF_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(OFF_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return
-    import wrapt
-
-    wrapt.register_post_import_hook(_wrap, MODULE)
-    _installed = True
-
-
-def _wrap(module: Any) -> None:
-    import wrapt
-
-    for method in METHODS:
-        owner, name = method.split(".")
-        if hasattr(getattr(module, owner, None), name):
-            wrapt.wrap_function_wrapper(module, method, _with_agent)
+    wrap_when_imported(MODULE, METHODS, _with_agent)
 
 
 def _with_agent(wrapped, instance, args, kwargs):

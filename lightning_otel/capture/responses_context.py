@@ -13,37 +13,22 @@ import of openai here.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from lightning_otel.capture.hooks import wrap_when_imported
 
 log = logging.getLogger(__name__)
 MODULE = "openai.resources.responses"
 METHODS = ("Responses.create", "Responses.stream", "Responses.parse", "AsyncResponses.create",
            "AsyncResponses.stream", "AsyncResponses.parse")
 LLM_OPERATIONS = ("chat", "text_completion", "completion", "generate_content")  # the store's is_llm_call
-_installed = False
 
 
 def install() -> None:
     """Wrap the Responses methods once openai imports them (now, if it already has)."""
-    global _installed
-    if _installed:
-        return
-    import wrapt
-
-    wrapt.register_post_import_hook(_wrap, MODULE)
-    _installed = True
-
-
-def _wrap(module: Any) -> None:
-    import wrapt
-
-    for method in METHODS:
-        owner, name = method.split(".")
-        if hasattr(getattr(module, owner, None), name):
-            wrapt.wrap_function_wrapper(module, method, _with_traceparent)
+    wrap_when_imported(MODULE, METHODS, _with_traceparent)
 
 
 def _with_traceparent(wrapped, instance, args, kwargs):

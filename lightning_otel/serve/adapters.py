@@ -14,10 +14,12 @@ process's live span tree), else to the base model.
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 from lightning_otel.errors import UserError
 
 AGENT_HEADER = "x-lightning-agent"  # the agent name the capture distro derives for each LLM request (lowercase)
+AGENT_ATTRIBUTE = "lightning.agent"  # that name on the call's record (token record or forwarded call)
 ADAPTER_ATTRIBUTE = "lightning.adapter"  # a token record's adapter (absent: the base model served the call)
 MANIFEST = "adapters.json"  # a checkpoint or exported policy with adapters: {name: pattern, ...} and its folders
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -74,5 +76,11 @@ def adapter_for(adapters: dict[str, str], requested_model: str | None, agent: st
     return adapter_of_agent(adapters, agent)
 
 
-__all__ = ["ADAPTER_ATTRIBUTE", "AGENT_HEADER", "MANIFEST", "adapter_for", "adapter_of_agent", "agent_regex",
+__all__ = ["ADAPTER_ATTRIBUTE", "AGENT_ATTRIBUTE", "AGENT_HEADER", "header_agent", "MANIFEST", "adapter_for", "adapter_of_agent", "agent_regex",
            "check_adapters"]
+
+
+def header_agent(headers: dict[str, str]) -> str | None:
+    """The agent a request names in AGENT_HEADER (URL-quoted on the wire), or None."""
+    agent = headers.get(AGENT_HEADER)
+    return None if agent is None else unquote(agent)

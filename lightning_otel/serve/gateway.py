@@ -54,7 +54,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
 
 from opentelemetry.propagate import extract
 from opentelemetry.sdk.resources import Resource
@@ -65,7 +64,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from lightning_otel.capture.distro import LightningSpanExporter
 from lightning_otel.errors import UserError
 from lightning_otel.httpserver import ConnectionLimits, check_exposure
-from lightning_otel.serve.adapters import ADAPTER_ATTRIBUTE, AGENT_HEADER, adapter_for, check_adapters
+from lightning_otel.serve.adapters import (ADAPTER_ATTRIBUTE, AGENT_ATTRIBUTE, adapter_for, check_adapters,
+                                          header_agent)
 from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choice, plan_tools, template_tools,
                                              with_opening)
 from lightning_otel.serve.engine import Engine, EngineError
@@ -309,8 +309,7 @@ class Gateway:
         """The adapter that serves a call (adapters.adapter_for); None without adapters configured."""
         if not self.config.adapters:
             return None
-        agent = headers.get(AGENT_HEADER)
-        return adapter_for(self.config.adapters, requested_model, None if agent is None else unquote(agent))
+        return adapter_for(self.config.adapters, requested_model, header_agent(headers))
 
     def chat(self, body: dict, headers: dict[str, str], rollout_id: str | None, response_id: str | None = None) -> dict:
         """A chat completion, whole (`response_id`: a Responses call's id, to record it under)."""
@@ -461,6 +460,8 @@ class Gateway:
         request = forward.outside_request(self.outside, request, self.config.max_tokens_cap)  # type: ignore[arg-type]
         self._apply_overrides(request)
         base = forward.call_attributes(self.outside, request, requested_model, rollout_id, patch)  # type: ignore[arg-type]
+        if (agent := header_agent(headers)) is not None:
+            base[AGENT_ATTRIBUTE] = agent
 
         def record(attributes: dict, started: int, ended: int, error: str | None, message: str | None) -> None:
             span = self.tracer.start_span(forward.FORWARD_SPAN, context=extract(headers), kind=SpanKind.SERVER,
@@ -535,6 +536,8 @@ class Gateway:
             attributes.update(patch.record())
         if adapter is not None:  # one adapter per agent: the adapter that served it (absent: the base model)
             attributes[ADAPTER_ATTRIBUTE] = adapter
+        if (agent := header_agent(headers)) is not None:  # the agent the agent process saw make the call
+            attributes[AGENT_ATTRIBUTE] = agent
         span = self.tracer.start_span(GENERATE_SPAN, context=extract(headers), kind=SpanKind.SERVER,
                                       start_time=started, attributes=attributes)
         span.end(end_time=ended)
