@@ -22,14 +22,14 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from lightning_otel.span_store import otlp
-from test_otlp_decode import INT64, add_attrs, set_value, text, trace_requests, values
+from test_otlp_decode import add_attrs, set_value, text, trace_requests, values
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "otlp"
 FAILED = "DecodeFailure"
