@@ -311,6 +311,15 @@ def test_malformed_oversized_and_concurrent_requests(collector, db_path):
         for t in threads:
             t.join(60)
         assert results == [200] * len(paths)
+        # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its own name as Host
+        port = viewer.server.server_address[1]
+        for host in (f"evil.example:{port}", "127.0.0.1.nip.io", ""):
+            status, _, text = fetch(viewer.url + "/", headers={"Host": host})
+            assert status == 403 and "answers requests for localhost or 127.0.0.1 only" in text, host
+        assert fetch(viewer.url + "/rollout/r1/feedback", "POST", form(name="x", value="1"),
+                     {"Host": "evil.example"})[0] == 403
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "app.localhost"):
+            assert fetch(viewer.url + "/", headers={"Host": host})[0] == 200, host
 
 
 def test_the_view_command_refuses_what_it_cannot_serve(tmp_path, db_path, collector, capsys):

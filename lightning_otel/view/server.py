@@ -5,10 +5,13 @@ Loopback by default. When a collector holds the store and its query role has a t
 the query (or admin) token: as `Authorization: Bearer <token>`, or once as `?token=` (the address the command
 prints), which sets a cookie for the rest of the session. Pages are read-only: GET and HEAD only, except the
 feedback form. A Content-Security-Policy keeps the page on this server: it loads nothing from the network.
+A viewer on a loopback address answers only requests addressed to a loopback name (the Host header), so a web
+page elsewhere cannot read it by pointing a name of its own at 127.0.0.1 (DNS rebinding).
 """
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import threading
 import time
@@ -28,6 +31,7 @@ from lightning_otel.view.source import StoreSource
 
 log = logging.getLogger(__name__)
 MAX_FORM_BYTES = 64 * 1024
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 COOKIE = "lightning_view_token"
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
 SECURITY_HEADERS = {
@@ -122,6 +126,8 @@ class ViewerHandler(KeepAliveHandler):
         self.do_GET()
 
     def do_GET(self) -> None:  # noqa: N802
+        if not self._host_allowed():
+            return
         parts = urlsplit(self.path)
         params = dict(parse_qsl(parts.query, keep_blank_values=True))
         if parts.path.startswith("/static/"):
@@ -133,6 +139,8 @@ class ViewerHandler(KeepAliveHandler):
         self._page(parts.path, params)
 
     def do_POST(self) -> None:  # noqa: N802
+        if not self._host_allowed():
+            return
         parts = urlsplit(self.path)
         if not (parts.path.startswith("/rollout/") and parts.path.endswith("/feedback")):
             return self._refuse(HTTPStatus.METHOD_NOT_ALLOWED, "the viewer is read-only: only the feedback form "
@@ -168,6 +176,20 @@ class ViewerHandler(KeepAliveHandler):
         self._page(parts.path[:-len("/feedback")], {}, notice)
 
     # ---- pieces -------------------------------------------------------------------------------------------
+
+    def _host_allowed(self) -> bool:
+        """On a loopback address, only requests for a loopback name (DNS rebinding: another site's name that
+        resolves to 127.0.0.1 would otherwise reach the viewer from that site's pages)."""
+        if not _is_loopback(self.viewer.config.host):
+            return True
+        host = urlsplit("//" + (self.headers.get("Host") or "")).hostname or ""
+        if host in LOOPBACK_NAMES or host.endswith(".localhost") or _is_loopback(host):
+            return True
+        if self.command == "POST":
+            self.discard_body(self.body_length or 0, MAX_FORM_BYTES)
+        self._refuse(HTTPStatus.FORBIDDEN, f"this viewer listens on {self.viewer.config.host} and answers requests "
+                                           f"for localhost or 127.0.0.1 only, not for {host or 'no Host'}")
+        return False
 
     def _authorised(self, query_token: str | None, parts) -> bool:
         wanted = self.viewer.source.read_tokens()
@@ -256,3 +278,12 @@ def link_to(viewer: Viewer, rollout_id: str | None = None) -> str:
     tokens_needed = viewer.source.read_tokens()
     path = rollout_url(rollout_id) if rollout_id else "/"
     return viewer.url + path + (f"?token={tokens_needed[0]}" if tokens_needed else "")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
