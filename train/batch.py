@@ -40,6 +40,8 @@ class Batch:
     completion_len: torch.Tensor | None = None  # [B] long, completion tokens of each sample
     old_values: torch.Tensor | None = None      # [B] float, the critic's values before the pass (PPO), else None
     value_targets: torch.Tensor | None = None   # [B] float, the critic's targets R_t (PPO), else None
+    prox_logp: torch.Tensor | None = None       # [B, T] float, the learner's logprobs before the pass (truncated
+                                                # importance sampling), NaN off the completions; else None
 
     @property
     def completion_width(self) -> int:
@@ -50,8 +52,10 @@ def collate(rows: list[Transition], pad_id: int, rollout_index: dict[str, int] |
             prefix_len: int = 0) -> Batch:
     """rows: dicts with prompt_ids, completion_ids, completion_logprobs (may be empty or None),
     loss_mask (None = all 1), advantage (None = 0), rollout_id, and optionally token_advantages (one per
-    completion token: advantages is then [B, T], rows without them broadcasting their advantage). With
-    `prefix_len` P > 0, every row's prompt must start with the same P tokens and be longer than P."""
+    completion token: advantages is then [B, T], rows without them broadcasting their advantage), value_old and
+    value_target (PPO: old_values and value_targets when every row has them) and prox_logprobs (one per
+    completion token: prox_logp when every row has them). With `prefix_len` P > 0, every row's prompt must start
+    with the same P tokens and be longer than P."""
     if not rows:
         raise ValueError("collate() needs at least one transition")
     rollout_index = rollout_index if rollout_index is not None else {}
@@ -100,8 +104,15 @@ def collate(rows: list[Transition], pad_id: int, rollout_index: dict[str, int] |
     if all(r.get("value_old") is not None and r.get("value_target") is not None for r in rows):
         old_values = torch.tensor([float(r["value_old"]) for r in rows], dtype=torch.float)
         value_targets = torch.tensor([float(r["value_target"]) for r in rows], dtype=torch.float)
+    prox_logp = None
+    if all(r.get("prox_logprobs") is not None for r in rows):
+        prox_logp = torch.full((B, T), math.nan, dtype=torch.float)
+        for b, row in enumerate(rows):
+            if len(row["completion_ids"]):
+                prox_logp[b, T - len(row["completion_ids"]):] = torch.tensor(list(row["prox_logprobs"]),
+                                                                             dtype=torch.float)
     return Batch(input_ids, attention, positions, targets, mask, old_logp, advantages, rollout, prefix_ids,
-                 completion_len, old_values, value_targets)
+                 completion_len, old_values, value_targets, prox_logp)
 
 
 def common_prefix(a, b, limit: int | None = None) -> int:

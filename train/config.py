@@ -8,6 +8,7 @@ Later sources win: defaults < TOML file < key=value. The resolved config is prin
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,11 @@ class TrainConfig:
     kl_loss: float = 0.0              # coefficient of the k3 KL to the reference policy in the loss (LoRA: adapters
                                       # disabled); for the group advantages (per-rollout, per-transition, ...)
     kl_reward: float = 0.0            # beta of the KL penalty in the token rewards: advantage = reinforce-pp only
+    tis_cap: float = 0.0              # truncated importance sampling: ratio against the learner's own logprobs before
+                                      # the pass, each token weighted by min(exp(prox - behaviour), tis_cap);
+                                      # 0: off (the ratio is against the recorded logprobs); e.g. 2.0
+    max_staleness: int = 0            # async rounds: how many policy versions a rollout may lag (0: synchronous;
+                                      # only 0 is available until async rounds are built)
     aggregation: str = "rollout"      # loss weighting: token | sequence | rollout (train/losses.py)
     epochs: int = 1                   # passes over a round's transitions
     batch_size: int = 16              # transitions per optimizer step
@@ -155,6 +161,16 @@ class TrainConfig:
             (self.advantage in ADVANTAGES, f"advantage = {self.advantage!r}: choose one of {sorted(ADVANTAGES)}"),
             (0 <= self.lam <= 1, f"lam = {self.lam}: GAE's lambda is in [0, 1]"),
             (0 < self.gamma <= 1, f"gamma = {self.gamma}: the discount per LLM call is in (0, 1]"),
+            (math.isfinite(self.tis_cap) and (self.tis_cap == 0 or self.tis_cap >= 1),
+             f"tis_cap = {self.tis_cap}: the cap on the importance weights must be 0 (off) or at least 1 (a cap "
+             f"below 1 would shrink tokens the learner and the sampler agree on), e.g. 2.0"),
+            (type(self.max_staleness) is int and self.max_staleness >= 0,
+             f"max_staleness = {self.max_staleness!r}: give a whole number of policy versions >= 0 (0: synchronous "
+             f"rounds)"),
+            (not self.max_staleness,
+             f"max_staleness = {self.max_staleness}: async rounds (rollouts of the next round while this one "
+             f"trains) are not built yet; only max_staleness = 0 (synchronous rounds) works. Leave it unset; "
+             f"tis_cap (truncated importance sampling) is available already"),
             (self.value_clip >= 0, f"value_clip = {self.value_clip}: must be >= 0 (0: no clipping)"),
             (self.critic_lr > 0, f"critic_lr = {self.critic_lr}: must be positive"),
             (self.critic == "head" or self.advantage in CRITIC_ADVANTAGES,

@@ -89,6 +89,12 @@ HELP: dict[str, str] = {
     "kl_loss": "Coefficient of the k3 KL to the reference policy in the loss (LoRA: adapters disabled), for the "
                "group advantages (`per-rollout`, `per-transition`, `batch-baseline`).",
     "kl_reward": "Beta of the per-token KL penalty in the rewards: `advantage = reinforce-pp` only.",
+    "tis_cap": "Truncated importance sampling (0: off): the ratio is taken against the learner's own logprobs "
+               "before the round's first update, and each token is weighted by `min(exp(prox - behaviour), "
+               "tis_cap)` against the logprobs the sampler recorded; 0 or at least 1, e.g. 2.0. See \"Truncated "
+               "importance sampling\".",
+    "max_staleness": "Async rounds: how many policy versions a rollout may lag behind the learner. Only 0 "
+                     "(synchronous rounds) is available: async rounds are not built yet.",
     "aggregation": "Loss weighting: `token`, `sequence` or `rollout` (every rollout weighs the same).",
     "epochs": "Passes over a round's transitions.",
     "batch_size": "Transitions per optimizer step.",

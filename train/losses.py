@@ -20,6 +20,16 @@ weights sum to 1 over the batch):
               rollout weighs the same however many turns it has (DESIGN §4, the default)
 The trainer never branches on these names; it looks them up.
 
+Truncated importance sampling (`tis_cap` > 0; decoupled PPO as in AReaL, with truncated importance weights).
+The sampler (vLLM, often bf16) and the learner disagree a little on the same weights, and an asynchronous round
+samples from an older policy: the behaviour logprobs b_t the gateway recorded are then not the learner's. Before
+a pass's first update the learner scores every transition itself (no grad): the proximal logprobs p_t. Then
+    ratio_t = exp(logp_t - p_t)                       (the clipping is around the learner's own policy)
+    w_t     = min(exp(p_t - b_t), tis_cap)            (no grad; 1 where no behaviour logprob was recorded)
+    pg_t    = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)
+The KL term is not weighted. Reported: the share of trained tokens whose weight the cap truncated, and the
+mean weight over trained tokens. With tis_cap = 0 the ratio is against b_t, as above, with no weight.
+
 REINFORCE++ (Hu et al. 2025; `advantage = "reinforce-pp"`, a TOKEN_RETURNS entry): the KL is a reward, not a
 loss term. With beta = `kl` and KL_t = old_logp_t - ref_t (the sampling policy against the reference):
     r_t = -beta * KL_t on trained tokens, + G (the sample's return, credit.py) at its last trained token
@@ -100,6 +110,11 @@ class LossOutput:
     has_kl: bool = False            # the loss has the k3 KL-to-reference term (`kl` is its value)
     critic_loss: torch.Tensor | None = None  # scalar, differentiable in the critic's parameters only (PPO)
     value_clip_fraction: float = 0.0
+    # Truncated importance sampling (None: off): over the trained tokens, how many there are, how many had their
+    # weight truncated by the cap, and the sum of their weights (sums, so micro-batches and ranks add up).
+    tis_tokens: float | None = None
+    tis_truncated: float | None = None
+    tis_weight_sum: float | None = None
 
 
 def weighted(values: torch.Tensor | None, weights: torch.Tensor) -> float | None:
@@ -115,15 +130,34 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def truncated_is_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The importance weights w = min(exp(prox - behaviour), cap) [B, T], no grad, 1 where `behaviour_logp` is
+    NaN (no record); and where the cap truncated them [B, T] bool."""
+    with torch.no_grad():
+        recorded = ~torch.isnan(behaviour_logp)
+        raw = torch.exp(prox_logp.detach() - torch.where(recorded, behaviour_logp, prox_logp.detach()))
+        truncated = recorded & (raw > cap)
+        return torch.where(recorded, raw.clamp(max=cap), torch.ones_like(raw)), truncated
+
+
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
               clip: float = 0.2, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
-              entropy: torch.Tensor | None = None) -> LossOutput:
+              entropy: torch.Tensor | None = None, behaviour_logp: torch.Tensor | None = None,
+              tis_cap: float = 0.0) -> LossOutput:
     """The clipped GRPO objective weighted by `weights` (token_weights of an AGGREGATIONS scale); `advantages`
     [B] (one per sample) or [B, T] (one per token). `entropy` [B, T] (no grad), when given, is reported weighted
-    like the loss; so is approx_kl = (ratio - 1) - log ratio, the k3 estimate of KL(old || current)."""
+    like the loss; so is approx_kl = (ratio - 1) - log ratio, the k3 estimate of KL(old || current).
+    With `tis_cap` > 0 and `behaviour_logp` (the sampler's, NaN where none was recorded), `old_logp` is the
+    proximal policy's and each token's policy term is weighted by truncated_is_weights(old, behaviour, tis_cap);
+    logprob_gap is then measured against the behaviour logprobs."""
     ratio = torch.exp(logp - old_logp)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv)
+    tis = tis_cap > 0 and behaviour_logp is not None
+    if tis:
+        is_weights, truncated = truncated_is_weights(old_logp, behaviour_logp, tis_cap)
+        per_token = per_token * is_weights
     kl_value = 0.0
     if kl_coef and ref_logp is not None:
         kl = k3_kl(logp, ref_logp)
@@ -136,12 +170,18 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         count = trained.sum().clamp(min=1)
         clip_fraction = float(clipped.sum() / count)
         ratio_mean = float((ratio * trained).sum() / count)
-        gap = float(((logp - old_logp).abs() * trained).sum() / count)
+        sampled = old_logp if not tis else torch.where(torch.isnan(behaviour_logp), logp, behaviour_logp)
+        gap = float(((logp - sampled).abs() * trained).sum() / count)
         log_ratio = logp - old_logp
         approx_kl = weighted(torch.exp(log_ratio) - 1.0 - log_ratio, weights)
-    return LossOutput((per_token * weights).sum(), kl_value, clip_fraction, ratio_mean, gap,
-                      entropy=weighted(entropy, weights), approx_kl=approx_kl,
-                      has_kl=bool(kl_coef and ref_logp is not None))
+    out = LossOutput((per_token * weights).sum(), kl_value, clip_fraction, ratio_mean, gap,
+                     entropy=weighted(entropy, weights), approx_kl=approx_kl,
+                     has_kl=bool(kl_coef and ref_logp is not None))
+    if tis:
+        out.tis_tokens = float(trained.sum())
+        out.tis_truncated = float((truncated & trained).sum())
+        out.tis_weight_sum = float(torch.where(trained, is_weights, torch.zeros_like(is_weights)).sum())
+    return out
 
 
 def sft_loss(logp: torch.Tensor, weights: torch.Tensor, entropy: torch.Tensor | None = None) -> LossOutput:

@@ -13,7 +13,8 @@ from lightning_otel.train.trackers import ROUND_AXIS, STEP_AXIS, Trackers, open_
 log = logging.getLogger(__name__)
 SHOWN = ("reward_mean", "success_rate", "transitions_per_episode", "loss", "kl", "clip_fraction",
          "first_ratio_mean", "zero_variance_groups", "rollout_seconds", "train_seconds", "val_reward_mean",
-         "val_accuracy", "prompt_versions", "pool_tasks", "pool_kept", "pool_never", "pool_always", "value_loss", "explained_variance")
+         "val_accuracy", "prompt_versions", "pool_tasks", "pool_kept", "pool_never", "pool_always", "value_loss",
+         "explained_variance", "tis_truncated_fraction")
 STEP_PREFIX = "train/"  # the step series' names in the trackers; round records use "<phase>/"
 
 

@@ -16,6 +16,12 @@ the reference policy (with kl_reward > 0), and each transition gets its `token_a
 Advantages from a critic (`advantage = "ppo"`, losses.CRITIC_ADVANTAGES): before the first step one no-grad pass
 gives every transition the critic's value V_old; GAE over each rollout's turns gives its advantage (normalised
 over the pass) and value target; each step then adds the clipped value loss, which trains the critic alone.
+
+Truncated importance sampling (`tis_cap` > 0, losses.truncated_is_weights): before the first step one no-grad
+pass gives every transition the learner's own logprobs (`prox_logprobs`, the proximal policy); the steps clip the
+ratio around those and weight each token by its truncated importance weight against the recorded (behaviour)
+logprobs. Like V_old, they are computed once per pass (call of optimize), not per epoch; a resumed pass computes
+them again with the resumed learner.
 """
 from __future__ import annotations
 
@@ -59,8 +65,13 @@ class StepStats:
     value_clip_fraction: list[float] = field(default_factory=list)  # PPO: per micro-batch
     value_mean: float | None = None          # PPO: the critic's mean value over the pass, before its updates
     explained_variance: float | None = None  # PPO: 1 - Var(R - V_old) / Var(R) over the pass (1: a perfect critic)
+    # Truncated importance sampling (tis_cap > 0), summed over the pass's trained tokens (all ranks):
+    tis_tokens: float = 0.0
+    tis_truncated: float = 0.0     # tokens whose weight the cap truncated
+    tis_weight_sum: float = 0.0
     # The first micro-batch runs before any update of the pass: its policy is the one that sampled, so its ratio
-    # should be ~1 and its clip fraction ~0; anything else means the learner and the engine disagree.
+    # should be ~1 and its clip fraction ~0; anything else means the learner and the engine disagree (with tis_cap
+    # the ratio is against the learner's own proximal logprobs, ~1 by construction: logprob_gap still compares).
     first: LossOutput | None = None
     seconds: float = 0.0
 
@@ -77,6 +88,8 @@ class StepStats:
                 f"{prefix}reward_kl": self.reward_kl, f"{prefix}value_loss": mean(self.value_loss),
                 f"{prefix}value_clip_fraction": mean(self.value_clip_fraction),
                 f"{prefix}value_mean": self.value_mean, f"{prefix}explained_variance": self.explained_variance,
+                f"{prefix}tis_truncated_fraction": self.tis_truncated / self.tis_tokens if self.tis_tokens else None,
+                f"{prefix}tis_weight_mean": self.tis_weight_sum / self.tis_tokens if self.tis_tokens else None,
                 f"{prefix}first_ratio_mean": self.first.ratio_mean if self.first else None,
                 f"{prefix}first_clip_fraction": self.first.clip_fraction if self.first else None,
                 f"{prefix}first_logprob_gap": self.first.logprob_gap if self.first else None,
@@ -92,15 +105,18 @@ def grpo_objective(learner: Learner, batch: Batch, weights: torch.Tensor, config
     # The policy is the distribution rollouts sampled from: logits / temperature (the engine records the
     # logprobs of that same distribution). SFT below stays at temperature 1.
     # Rows with value targets (a critic's advantages) also give the critic its loss, from the same forward pass,
-    # as does the entropy.
+    # as does the entropy. Rows with proximal logprobs (truncated importance sampling) take the ratio against
+    # them, and the recorded (behaviour) logprobs give the importance weights.
     critic = batch.value_targets is not None
     scores, values = learner.scores_and_values(batch, config.temperature) if critic else \
         (learner.scores(batch, config.temperature), None)
     logp = scores.logp
-    old = torch.where(torch.isnan(batch.old_logp), logp.detach(), batch.old_logp)
+    old = batch.old_logp if batch.prox_logp is None else batch.prox_logp
+    old = torch.where(torch.isnan(old), logp.detach(), old)
+    behaviour = None if batch.prox_logp is None else batch.old_logp
     ref = learner.reference_logprobs(batch, config.temperature) if config.kl_loss else None
     out = grpo_loss(logp, old, batch.advantages, weights, clip=config.clip, kl_coef=config.kl_loss, ref_logp=ref,
-                    entropy=scores.entropy)
+                    entropy=scores.entropy, behaviour_logp=behaviour, tis_cap=config.tis_cap)
     if critic:
         # each sample's share of the step's policy loss weighs its value error: both sum to 1 over the step
         out.critic_loss, out.value_clip_fraction = clipped_value_loss(
@@ -186,11 +202,36 @@ def with_critic_advantages(learner: Learner, rows: list[Transition], config: Tra
             for row, a, v, r in zip(rows, normalised, values, targets)]
 
 
-def with_learned_advantages(learner: Learner, rows: list[Transition], config: TrainConfig,
-                            stats: StepStats) -> list[Transition]:
-    """The advantages computed at update time (each a no-op unless config.advantage is in its registry)."""
-    rows = with_token_advantages(learner, rows, config, stats)
-    return with_critic_advantages(learner, rows, config, stats)
+def with_proximal_logprobs(learner: Learner, rows: list[Transition], config: TrainConfig,
+                           stats: StepStats) -> list[Transition]:
+    """The rows with `prox_logprobs` (the learner's own logprob of each completion token, before any update of the
+    pass: the proximal policy of truncated importance sampling) when config.tis_cap > 0, else as given. One
+    no-grad forward pass per micro-batch."""
+    if not config.tis_cap or not rows:
+        return rows
+    prox: list[list[float]] = [[] for _ in rows]
+    plans = plan_micro_batches(rows, config.micro_batch, config.share_prefix, config.micro_batch_tokens)
+    with torch.no_grad():
+        for indices, prefix_len in plans:
+            batch = collate([rows[j] for j in indices], learner.pad_id, None, prefix_len)
+            logp = learner.logprobs(batch, config.temperature).float().cpu()
+            T = batch.completion_width
+            for k, j in enumerate(indices):
+                prox[j] = logp[k, T - len(rows[j]["completion_ids"]):].tolist()
+    return [{**row, "prox_logprobs": p} for row, p in zip(rows, prox)]
+
+
+# What the GRPO loss needs computed over a pass's transitions before its first update, in order; each entry is a
+# no-op unless the config asks for it (an advantage in its registry, or tis_cap > 0).
+GRPO_PREPARES = (with_token_advantages, with_critic_advantages, with_proximal_logprobs)
+
+
+def prepare_grpo(learner: Learner, rows: list[Transition], config: TrainConfig,
+                 stats: StepStats) -> list[Transition]:
+    """The advantages (and proximal logprobs) computed at update time: every GRPO_PREPARES entry in turn."""
+    for prepare in GRPO_PREPARES:
+        rows = prepare(learner, rows, config, stats)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -200,7 +241,7 @@ class Objective:
     prepare: Callable[[Learner, list[Transition], TrainConfig, StepStats], list[Transition]] | None = None
 
 
-OBJECTIVES: dict[str, Objective] = {"grpo": Objective(grpo_objective, with_learned_advantages),
+OBJECTIVES: dict[str, Objective] = {"grpo": Objective(grpo_objective, prepare_grpo),
                                     "sft": Objective(sft_objective)}
 
 
@@ -284,7 +325,8 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
           stats: StepStats) -> dict[str, float]:
     """One optimizer step. Returns its metrics over all ranks: loss, lr, grad_norm (when DeepSpeed computed it),
     entropy (weighted like the loss), and for ratio losses approx_kl (weighted like the loss), clip_fraction
-    (mean over the step's micro-batches) and, with a KL term, kl (to the reference, weighted like the loss)."""
+    (mean over the step's micro-batches), with a KL term kl (to the reference, weighted like the loss), and with
+    truncated importance sampling tis_truncated_fraction and tis_weight_mean (over the step's trained tokens)."""
     rollout_index: dict[str, int] = {}
     full = collate(rows, learner.pad_id, rollout_index)
     scale = AGGREGATIONS[config.aggregation](full.mask.sum(dim=1), full.rollout)
@@ -296,9 +338,9 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
     rank, world = learner.rank, learner.world
     mine = plans[rank::world]
     count = math.ceil(len(plans) / world)
-    total = kl = entropy = approx_kl = clipped = value_total = 0.0
+    total = kl = entropy = approx_kl = clipped = value_total = tis_tokens = tis_truncated = tis_weight_sum = 0.0
     parts_seen = 0
-    has_kl = ratio_loss = critic = False
+    has_kl = ratio_loss = critic = tis = False
     for i in range(count):
         real = i < len(mine)
         indices, prefix_len = mine[i] if real else plans[0]
@@ -315,6 +357,11 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
         clipped += out.clip_fraction
         parts_seen += 1
         has_kl, ratio_loss = has_kl or out.has_kl, ratio_loss or out.approx_kl is not None
+        if out.tis_tokens is not None:
+            tis = True
+            tis_tokens += out.tis_tokens
+            tis_truncated += out.tis_truncated
+            tis_weight_sum += out.tis_weight_sum
         if out.critic_loss is not None:
             critic = True
             value_total += float(out.critic_loss.detach())
@@ -323,9 +370,11 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
         stats.ratio_mean.append(out.ratio_mean)
         stats.first = stats.first or replace(out, loss=out.loss.detach(), critic_loss=None)
     if world > 1:  # the step's figures: the sum of every rank's parts
-        parts = torch.tensor([total, kl, entropy, approx_kl, clipped, parts_seen, value_total], dtype=torch.float64)
+        parts = torch.tensor([total, kl, entropy, approx_kl, clipped, parts_seen, value_total, tis_tokens,
+                              tis_truncated, tis_weight_sum], dtype=torch.float64)
         torch.distributed.all_reduce(parts)
-        total, kl, entropy, approx_kl, clipped, parts_seen, value_total = (float(x) for x in parts)
+        (total, kl, entropy, approx_kl, clipped, parts_seen, value_total, tis_tokens, tis_truncated,
+         tis_weight_sum) = (float(x) for x in parts)
     metrics = {"loss": total, "lr": learner.learning_rate(), "entropy": entropy}
     if critic:
         stats.value_loss.append(value_total)
@@ -338,6 +387,12 @@ def _step(learner: Learner, rows: list[Transition], config: TrainConfig, loss_fn
         stats.approx_kl.append(approx_kl)
     if has_kl:
         metrics["kl"] = kl
+    if tis:
+        metrics |= {"tis_truncated_fraction": tis_truncated / max(tis_tokens, 1.0),
+                    "tis_weight_mean": tis_weight_sum / max(tis_tokens, 1.0)}
+        stats.tis_tokens += tis_tokens
+        stats.tis_truncated += tis_truncated
+        stats.tis_weight_sum += tis_weight_sum
     stats.loss.append(total)
     stats.kl.append(kl)
     stats.entropy.append(entropy)

@@ -3,7 +3,8 @@
     report_to = ["tensorboard", "wandb", "mlflow"]   # any of them; [] or ["none"]: metrics.jsonl only
 
 Two series go to every named tracker, each against its own x axis:
-    train/<metric>   one point per optimizer step (loss, lr, grad_norm, entropy, approx_kl, clip_fraction, kl),
+    train/<metric>   one point per optimizer step (loss, lr, grad_norm, entropy, approx_kl, clip_fraction, kl,
+                     tis_truncated_fraction, tis_weight_mean),
                      x = the run's optimizer steps so far (1, 2, ...; SFT steps and GRPO steps count alike)
     <phase>/<key>    one point per record of metrics.jsonl (phase grpo, sft, validation, pool, offline-grpo ...),
                      x = the record's round
