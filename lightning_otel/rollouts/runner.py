@@ -525,29 +525,22 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
     from lightning_otel.serve.policy import resolve_policy
     from lightning_otel.serve.serving import engine_for_policy
 
+    common = dict(collector_url=collector_info.url, collector_token=collector_info.ingest_token,
+                  max_tokens_cap=config.max_tokens, temperature=config.temperature,
+                  max_calls_per_rollout=config.max_calls, prompts=config.prompts)
     if config.base_url is not None:
         if engine is not None:
             raise ValueError("an engine and base_url: the gateway answers with one of them")
-        gateway = Gateway(None, GatewayConfig(collector_url=collector_info.url,
-                                              collector_token=collector_info.ingest_token,
-                                              max_tokens_cap=config.max_tokens, temperature=config.temperature,
-                                              max_calls_per_rollout=config.max_calls, prompts=config.prompts,
-                                              forward_url=config.base_url, forward_api_key_env=config.api_key_env,
-                                              forward_model=config.base_model))
-        gateway.start()
-        owned.callback(gateway.close)
-        return gateway
-    if engine is None:
-        python = default_engine_python()
-        engine = engine_for_policy(resolve_policy(config.model or "base", python), None, owned, python)
-    template = read_chat_template(config.chat_template) if config.chat_template is not None else None
-    tools = template_tools(engine.config.model_dir, template, config.tool_format)
-    gateway = Gateway(engine, GatewayConfig(collector_url=collector_info.url,
-                                            collector_token=collector_info.ingest_token, chat_template=template,
-                                            native_tools=tools.native, tool_format=tools.format,
-                                            max_tokens_cap=config.max_tokens, temperature=config.temperature,
-                                            max_calls_per_rollout=config.max_calls, prompts=config.prompts,
-                                            adapters=config.adapters))
+        gateway = Gateway(None, GatewayConfig(**common, forward_url=config.base_url,
+                                              forward_api_key_env=config.api_key_env, forward_model=config.base_model))
+    else:
+        if engine is None:
+            python = default_engine_python()
+            engine = engine_for_policy(resolve_policy(config.model or "base", python), None, owned, python)
+        template = read_chat_template(config.chat_template) if config.chat_template is not None else None
+        tools = template_tools(engine.config.model_dir, template, config.tool_format)
+        gateway = Gateway(engine, GatewayConfig(**common, chat_template=template, native_tools=tools.native,
+                                                tool_format=tools.format, adapters=config.adapters))
     gateway.start()
     owned.callback(gateway.close)
     return gateway
