@@ -131,6 +131,7 @@ def test_rollout_serves_its_model_as_a_policy_spec_like_eval(tmp_path, monkeypat
     # `rollout --model` takes what eval and serve take (base, a run folder, a checkpoint, an adapter, a model
     # folder): the runner resolves it with the same resolve_policy and starts its engine through engine_for_policy.
     from contextlib import ExitStack
+    from types import SimpleNamespace
 
     from lightning_otel.rollouts import runner
     from lightning_otel.serve import serving
@@ -147,6 +148,8 @@ def test_rollout_serves_its_model_as_a_policy_spec_like_eval(tmp_path, monkeypat
     monkeypatch.setattr(serving, "engine_for_policy", started)
     config = RolloutConfig(tasks=spider_task_file(tmp_path), agent=AGENT, reward="spider_exec", model=str(model))
     with ExitStack() as owned, pytest.raises(RuntimeError, match="stop before vLLM"):
-        runner.start_gateway(config, None, None, owned)
+        # The collector is never reached: the engine start stops the run first.
+        collector = SimpleNamespace(url="http://127.0.0.1:9/v1/traces", ingest_token=None)
+        runner.start_gateway(config, collector, None, owned)
     assert seen["engine"] is None and seen["policy"].base_model == model.resolve()
     assert seen["policy"].adapter is None and seen["policy"].label == "my-model"
