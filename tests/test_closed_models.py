@@ -14,7 +14,6 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from lightning_otel.lifetime import free_port
 from lightning_otel.serve.prompts import load_patches
 from tests.helpers.apo_agents import StandInReflector
 from tests.helpers.examples import example_module
+from tests.helpers.loopback import LoopbackServer, QuietHandler
 
 TUTORIAL = example_module("langgraph_sql_tutorial")  # its two nodes' system messages: one patched, one not
 GENERATE, CHECK = TUTORIAL.GENERATE_QUERY, TUTORIAL.CHECK_QUERY
@@ -76,12 +76,9 @@ class Outside:
     def __init__(self):
         seen = self.seen = []
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = self.json_body()
                 seen.append({"authorization": self.headers.get("Authorization"), "body": body})
                 model = body.get("model")
                 if model == "err-429":
@@ -99,16 +96,6 @@ class Outside:
                 self.answer(200, {"id": "chatcmpl-1", "object": "chat.completion", "model": model, "choices": [
                     {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}})
-
-            def answer(self, status, payload):
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:  # the gateway gave up on a slow answer
-                    pass
 
             def tool_stream(self):
                 self.send_response(200)
@@ -129,13 +116,11 @@ class Outside:
                     self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.server = LoopbackServer(Handler, "/v1")
+        self.url = self.server.url
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from lightning_otel.span_store import client
 from lightning_otel.span_store.forwarding import ForwardConfig, parse_headers
 from lightning_otel.span_store.tour import sample_requests
 from tests.conftest import REPO, health, post
+from tests.helpers.loopback import LoopbackServer, QuietHandler
 from tests.helpers.phoenix import running_phoenix, wait_for
 from tests.helpers.sdk import chat_span, tracer_provider
 
@@ -33,12 +33,9 @@ class Endpoint:
         self.release = threading.Event()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # quiet
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802
-                body = self.rfile.read(int(self.headers["Content-Length"]))
+                body = self.body()
                 outer.requests += 1
                 outer.headers.append(dict(self.headers))
                 answer = outer.answers.pop(0) if len(outer.answers) > 1 else outer.answers[0]
@@ -48,20 +45,14 @@ class Endpoint:
                 if answer == 200:
                     data = gzip.decompress(body) if self.headers.get("Content-Encoding") == "gzip" else body
                     outer.received.append((self.path, self.headers["Content-Type"], data))
-                self.send_response(answer)
-                self.send_header("Retry-After", "0")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                self.answer(answer, headers={"Retry-After": "0"})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = LoopbackServer(Handler)
+        self.url = self.server.url
 
     def close(self):
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 @pytest.fixture

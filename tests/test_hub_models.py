@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from lightning_otel.serve.hub import hub_model_of_path, parse_hub_id, recorded_m
 from lightning_otel.serve.model import bundled_model_dir, resolve_model
 from lightning_otel.serve.policy import resolve_policy
 from lightning_otel.train.checkpoints import export_policy
+from tests.helpers.loopback import LoopbackServer, QuietHandler
 
 REPO = "acme/tiny-chat"
 MAIN = "a" * 40   # the commit refs/main names
@@ -138,22 +137,13 @@ def test_a_snapshot_without_config_or_weights_is_refused(hub_cache):
         resolve_model("acme/no-weights")
 
 
-class FakeHub(BaseHTTPRequestHandler):
+class FakeHub(QuietHandler):
     """The hub's answers when a repository or revision does not exist, or is gated (its X-Error-Code header)."""
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         code = ("RevisionNotFound" if "/revision/nope" in self.path else "GatedRepo" if "gated" in self.path
                 else "RepoNotFound")
-        self.send_response(403 if code == "GatedRepo" else 404)
-        self.send_header("X-Error-Code", code)
-        self.send_header("Content-Type", "application/json")
-        body = json.dumps({"error": code}).encode()
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+        self.answer(403 if code == "GatedRepo" else 404, {"error": code}, headers={"X-Error-Code": code})
 
 
 def go_online(monkeypatch, endpoint: str) -> None:
@@ -168,13 +158,10 @@ def go_online(monkeypatch, endpoint: str) -> None:
 
 @pytest.fixture
 def fake_hub(hub_cache, monkeypatch):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    go_online(monkeypatch, f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.setenv("HF_TOKEN", "")
-    yield server
-    server.shutdown()
-    server.server_close()
+    with LoopbackServer(FakeHub) as server:
+        go_online(monkeypatch, server.url)
+        monkeypatch.setenv("HF_TOKEN", "")
+        yield server
 
 
 def test_online_the_hub_answers_for_missing_repositories_and_revisions(fake_hub):

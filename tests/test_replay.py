@@ -3,8 +3,6 @@ with reward, advantage and policy version added. The endpoints are real: a secon
 (its store must then hold the same spans), small HTTP servers that fail the way endpoints do, and a real Phoenix."""
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
 import pytest
@@ -16,6 +14,7 @@ from lightning_otel.span_store.otlp_encode import SPAN_COLUMNS
 from lightning_otel.span_store.replay import ReplayConfig, replay
 from lightning_otel.span_store.tour import sample_requests
 from tests.conftest import post
+from tests.helpers.loopback import LoopbackServer, QuietHandler
 from tests.helpers.rollout_store import store_rollouts
 from tests.helpers.phoenix import running_phoenix, wait_for
 
@@ -156,24 +155,17 @@ class Endpoint:
         self.requests = 0
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802
-                self.rfile.read(int(self.headers["Content-Length"]))
+                self.body()
                 outer.requests += 1
-                self.send_response(200 if outer.requests <= accept else then)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                self.answer(200 if outer.requests <= accept else then)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = LoopbackServer(Handler)
+        self.url = self.server.url
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 def test_an_endpoint_that_goes_down_or_refuses_says_how_much_went_out(first):

@@ -291,31 +291,24 @@ def test_a_responses_stream_sends_its_text_as_it_is_sampled_and_the_rest_at_the_
 def sse_server():
     """A server that answers every POST with the given bytes as an event stream (status 200), and keeps
     the bodies it got."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from tests.helpers.loopback import LoopbackServer, QuietHandler
 
     answer, bodies = [b""], []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self):  # noqa: N802
-            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            bodies.append(self.json_body())
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             self.wfile.write(answer[0])
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-
     def serve(raw: bytes):
         answer[0] = raw
-        return f"http://127.0.0.1:{server.server_address[1]}", bodies
+        return server.url, bodies
 
-    yield serve
-    server.shutdown()
-    server.server_close()
+    with LoopbackServer(Handler) as server:
+        yield serve
 
 
 def test_the_engine_stream_asks_for_ids_and_usage_and_raises_on_errors_and_cut_streams(sse_server, tmp_path):

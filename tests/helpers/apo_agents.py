@@ -2,9 +2,7 @@
 answer a reward can judge by a word the instruction asks for."""
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from tests.helpers.loopback import LoopbackServer, QuietHandler
 
 SYSTEM = "You are a helpful assistant. Answer the question briefly."
 
@@ -30,27 +28,17 @@ class StandInReflector:
         self.prompts: list[str] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        class Handler(QuietHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.json_body()
                 outer.prompts.append(body["messages"][-1]["content"])
-                reply = json.dumps({"id": "r", "object": "chat.completion", "created": 0, "model": body["model"],
-                                    "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                                        "role": "assistant", "content": f"Here it is:\n```\n{answer}\n```"}}],
-                                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply.encode())
+                self.answer(200, {"id": "r", "object": "chat.completion", "created": 0, "model": body["model"],
+                                  "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                      "role": "assistant", "content": f"Here it is:\n```\n{answer}\n```"}}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.server = LoopbackServer(Handler, "/v1")
+        self.url = self.server.url
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
