@@ -43,6 +43,19 @@ REPO = Path(__file__).resolve().parent.parent
 ENGINE_FIXTURES = {"engine", "tokenizer", "gateway"}
 
 
+def pytest_configure(config):
+    # Under pytest-xdist each worker is a process of its own: with torch's default (a thread per core) in every
+    # worker, the workers' OpenMP threads outnumber the cores and wait on each other (a two-sequence forward pass
+    # went from 1 s to 2 min with two workers on two busy cores). Each worker takes its share of the cores.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers > 1:
+        try:
+            import torch
+        except ImportError:  # the floors environment has no torch
+            return
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     for item in items:

@@ -64,6 +64,7 @@ def test_routing_rule_matches_whole_agent_names_first_pattern_first():
 
 # ---- the agent names itself on each request (capture/agent_header.py) ------------------------------------
 
+@pytest.mark.heavy
 def test_each_request_names_the_agent_the_store_derives_for_its_call(tmp_path):
     """The LangGraph SQL tutorial, unchanged, against a scripted model: the x-lightning-agent header of every
     request (read from the agent process's live spans) is the agent the store derives afterwards for that
@@ -194,6 +195,7 @@ def adapter_rows(learner, agent: str) -> list[dict]:
     return rows
 
 
+@pytest.mark.heavy
 def test_each_adapter_steps_on_its_own_rows_and_keeps_its_own_optimizer_state(tmp_path):
     import torch
 

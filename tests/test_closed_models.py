@@ -293,6 +293,7 @@ def test_serve_base_url_patches_and_records_production_traffic_to_an_outside_mod
     assert "agent-key" not in json.dumps(client.query("SELECT * FROM spans", db_path).to_dicts(), default=str)
 
 
+@pytest.mark.heavy
 def test_eval_base_url_reports_a_closed_model_against_a_baseline(outside, tmp_path):
     from lightning_otel.eval import EvalConfig, evaluate
 

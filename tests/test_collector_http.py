@@ -112,6 +112,7 @@ def test_same_spans_resent_in_either_encoding_are_stored_once(collector, db_path
     (b"hello", "text/plain", 415, "application/x-protobuf"),
     (b"hello", "", 415, "Content-Type"),
 ])
+@pytest.mark.heavy
 def test_malformed_requests_are_refused_and_nothing_is_stored(collector, db_path, body, content_type, status,
                                                               needle):
     code, headers, raw = post(collector.url + "/v1/traces", body, content_type)

@@ -255,6 +255,7 @@ def test_over_length_and_inconsistent_token_records(store, collector):
     ({"r8"}, "every rollout excluded for: no LLM call. No LLM call spans were recorded"),
     ({"nothing"}, "the store holds no rollouts"),
 ])
+@pytest.mark.heavy
 def test_no_transitions_says_why_and_what_to_try(store, chosen, says):
     out, account = compile_transitions(CompileConfig(db=store, reward="exec", rollout_ids=frozenset(chosen)))
     assert out.height == 0

@@ -91,6 +91,7 @@ def test_two_ranks_under_the_deepspeed_launcher_train_as_one_process(store, one_
     assert_same_training(one_process, trained(result, out))
 
 
+@pytest.mark.heavy
 def test_an_error_on_rank_0_stops_every_rank(store, tmp_path):
     """Rank 0 fails before any step (a bad --where): the run exits with its message, the other rank does not
     hang waiting for it."""

@@ -79,6 +79,7 @@ def test_unchanged_script_sends_spans_to_the_collector(collector, db_path, agent
     assert client.query("SELECT agent FROM llm_calls", db_path)["agent"].to_list() == ["sql_agent"]
 
 
+@pytest.mark.heavy
 def test_user_backend_gets_the_spans_too_and_redaction_applies_to_both(make_collector, tmp_path, agent_script):
     ours = make_collector(db=tmp_path / "ours.duckdb")
     theirs = make_collector(db=tmp_path / "theirs.duckdb")
@@ -92,6 +93,7 @@ def test_user_backend_gets_the_spans_too_and_redaction_applies_to_both(make_coll
         assert messages == ['[{"role": "user", "content": "key [REDACTED] please"}]'], db
 
 
+@pytest.mark.heavy
 def test_in_process_rollouts_and_emitted_rewards(collector, db_path, tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(textwrap.dedent("""
@@ -149,6 +151,7 @@ def test_rollout_and_reward_arguments_are_checked():
             pass
 
 
+@pytest.mark.heavy
 def test_an_instrumentor_that_fails_quietly_is_reported(collector, tmp_path, agent_script):
     """A real entry point (a .dist-info on the path) whose instrumentor only logs its failure at DEBUG."""
     site = tmp_path / "site"
@@ -175,6 +178,7 @@ def test_an_instrumentor_that_fails_quietly_is_reported(collector, tmp_path, age
 
 
 
+@pytest.mark.heavy
 def test_run_command_with_explicit_flags(make_collector, tmp_path, agent_script):
     make_collector(token="tok")
     db = tmp_path / "traces.duckdb"
@@ -193,6 +197,7 @@ def test_run_command_with_explicit_flags(make_collector, tmp_path, agent_script)
     assert missing.returncode == 2 and "command not found" in missing.stderr
 
 
+@pytest.mark.heavy
 def test_an_allow_list_loads_only_the_named_instrumentations(collector, tmp_path):
     installed = distro.installed_instrumentations()
     assert {"openai", "langchain"} <= set(installed)  # both ship with the test environment
@@ -214,6 +219,7 @@ def test_an_allow_list_loads_only_the_named_instrumentations(collector, tmp_path
     assert only.stdout.split() == ["True", "False"], only.stderr
 
 
+@pytest.mark.heavy
 def test_run_keeps_resource_attributes_with_commas_and_equals_intact(make_collector, tmp_path, agent_script):
     # OTEL_RESOURCE_ATTRIBUTES is a comma-separated key=value list: an unencoded `a,b` became two attributes.
     make_collector(token="tok")

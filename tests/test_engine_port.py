@@ -65,6 +65,7 @@ def taken():
         yield sock.getsockname()[1]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kept_log", [True, False], ids=["log kept", "no log"])
 def test_a_picked_port_taken_before_the_engine_bound_it_is_replaced(stand_in, model, taken, tmp_path, caplog, kept_log):
     log_path = tmp_path / "engine.log" if kept_log else None

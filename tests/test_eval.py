@@ -246,6 +246,7 @@ def test_base_is_the_bundled_model():
     assert policy.base_model == bundled_model_dir() and policy.adapter is None and policy.version == 0
 
 
+@pytest.mark.heavy
 def test_run_folder_means_its_best_checkpoint_else_its_last(peft_adapter, tmp_path):
     run = make_run(tmp_path / "a", peft_adapter, {"model": "base", "best": "checkpoints/round-0007",
                                                   "last": "checkpoints/round-0002"})

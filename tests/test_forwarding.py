@@ -135,6 +135,7 @@ def test_a_busy_endpoint_is_retried_and_a_refusing_one_is_not(make_collector, en
     assert stored(upstream.db) == 2
 
 
+@pytest.mark.heavy
 def test_a_hanging_endpoint_never_slows_ingest_and_the_overflow_is_counted(make_collector, endpoint):
     hanging = endpoint("hang")
     upstream = make_collector(forward=ForwardConfig(hanging.url, max_queue_bytes=2048, timeout_s=30))

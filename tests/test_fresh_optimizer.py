@@ -50,11 +50,13 @@ def grpo_step(learner: Learner, config: TrainConfig) -> None:
     optimize(learner, rows(learner.tokenizer, [1.0, -1.0]), config, "grpo", seed=0)
 
 
+@pytest.mark.heavy
 def test_sft_leaves_adam_state_behind(after_sft):
     learner, _ = after_sft
     assert adam_steps(learner) == {3}  # what GRPO would inherit without a reset
 
 
+@pytest.mark.heavy
 def test_a_resumed_grpo_run_loads_the_sft_weights_but_not_the_optimizer(after_sft, config):
     trained, folder = after_sft
     resumed = Learner(bundled_model_dir(), config)
@@ -82,6 +84,7 @@ def test_a_resumed_grpo_run_loads_the_sft_weights_but_not_the_optimizer(after_sf
         whole.close()
 
 
+@pytest.mark.heavy
 def test_fresh_optimizer_in_the_same_process_makes_the_next_step_a_first_step(after_sft, config):
     learner, _ = after_sft
     learner.fresh_optimizer()

@@ -87,6 +87,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", REFUSED, ids=list(REFUSED))
 def test_ambiguous_framing_is_refused_and_the_connection_closed(served, case, db_path):
     headers, status = REFUSED[case]
@@ -134,6 +135,7 @@ def expected_status(lengths: list[str], codings: list[str]) -> int:
     return 200 if value and all(c in "0123456789" for c in value) else 400
 
 
+@pytest.mark.heavy
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(_lengths(len(SPANS)), max_size=3), st.lists(CODINGS, max_size=2), st.randoms())
 def test_generated_framing_headers_get_the_rfc_answer(make_collector, db_path, lengths, codings, rng):

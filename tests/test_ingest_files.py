@@ -162,6 +162,7 @@ def write_rotated(folder, requests, layout: str):
     return folder
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ingest_reads_each_file_exporter_layout_like_otlp_http(layout, sent, db_path, tmp_path, capsys):
     requests, reference_db = sent

@@ -146,6 +146,7 @@ def guarded(make_collector, db_path):
     assert client.query("SELECT count(*) AS n FROM spans", db_path)["n"][0] == sum(acknowledged)
 
 
+@pytest.mark.heavy
 def test_unauthenticated_tricklers_never_hold_ingest(guarded):
     collector, acknowledged = guarded
     with Attack(collector.url, trickle_unauthenticated) as attack:
@@ -155,6 +156,7 @@ def test_unauthenticated_tricklers_never_hold_ingest(guarded):
     assert set(attack.answers) == {b"HTTP/1.1 401 Unauthorized"}
 
 
+@pytest.mark.heavy
 def test_slow_queries_never_hold_ingest(guarded):
     collector, acknowledged = guarded
     with Attack(collector.url, slow_query) as attack:
@@ -163,6 +165,7 @@ def test_slow_queries_never_hold_ingest(guarded):
     assert refused, "one token's queries past max_queries_per_token must get 429"
 
 
+@pytest.mark.heavy
 def test_query_clients_that_never_read_never_hold_ingest_nor_their_slots(guarded):
     collector, acknowledged = guarded
     with Attack(collector.url, unread_query) as attack:
@@ -176,6 +179,7 @@ def test_query_clients_that_never_read_never_hold_ingest_nor_their_slots(guarded
     assert len(started) >= 4, attack.answers
 
 
+@pytest.mark.heavy
 def test_a_commands_concurrent_queries_wait_their_turn(make_collector, db_path):
     """The client library waits out 429/503 (Retry-After), so one program's threads sharing a token all get
     their answers even past max_queries_per_token."""

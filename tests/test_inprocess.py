@@ -208,6 +208,7 @@ def test_a_raise_a_hang_and_a_dead_worker_are_recorded_and_the_rest_still_runs(d
                         db_path)["n"][0] >= 5  # the hung and the dead call's spans may be lost with their worker
 
 
+@pytest.mark.heavy
 def test_a_failing_call_leaves_concurrent_ones_alone(db_path, tmp_path):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "question": i} for i in
                                                    ("ok-1", "raise-1", "ok-2", "ok-3", "raise-2")])
@@ -284,6 +285,7 @@ def test_bad_agent_functions_fail_before_any_rollout(db_path, tmp_path, agent, n
     assert not db_path.exists() or client.query("SELECT count(*) AS n FROM rollout_runs", db_path)["n"][0] == 0
 
 
+@pytest.mark.heavy
 def test_a_module_spec_and_the_cli(db_path, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", str(HERE.parent))  # the worker imports the module as the runner does
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "db_id": "singer", "question": i,

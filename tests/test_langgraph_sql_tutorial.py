@@ -94,6 +94,7 @@ def ran_sql(rows: list[dict]) -> str | None:
     return queries[-1] if queries else None
 
 
+@pytest.mark.heavy
 def test_the_tutorial_agent_is_scored_on_the_sql_its_tool_ran(tmp_path):
     stub = StubModel()
     try:

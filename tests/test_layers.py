@@ -62,6 +62,7 @@ UPWARD = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("module, target, line", UPWARD, ids=[u[0] for u in UPWARD])
 def test_an_upward_import_breaks_the_contract(tmp_path, module, target, line):
     folder = installed_layout(tmp_path)

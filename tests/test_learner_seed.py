@@ -3,6 +3,7 @@ built, so two learners with one seed (a rerun, or the ranks of a multi-process r
 broadcast) hold the same adapters, and another seed draws others. The real learner on the bundled model."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_otel.serve.model import bundled_model_dir
@@ -18,6 +19,7 @@ def adapters(seed: int) -> dict[str, torch.Tensor]:
         learner.close()
 
 
+@pytest.mark.heavy
 def test_one_seed_draws_the_same_adapters_and_another_seed_others():
     first, again, other = adapters(3), adapters(3), adapters(4)
     a_matrices = [n for n in first if "lora_A" in n]

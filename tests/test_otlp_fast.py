@@ -117,6 +117,7 @@ GOOD_IDS = field(1, b"\x01" * 16) + field(2, b"\x02" * 8)
 
 # ---- agreement on generated requests -----------------------------------------------------------------
 
+@pytest.mark.heavy
 @fuzz(150)
 @given(trace_requests())
 def test_fast_and_python_decoders_agree(request):
@@ -173,6 +174,7 @@ def edge_requests(draw) -> bytes:
                                         varint(99 << 3 | 3) + varint(1 << 3) + varint(5) + varint(99 << 3 | 4)]))
 
 
+@pytest.mark.heavy
 @fuzz(300)
 @given(edge_requests())
 def test_fast_and_python_decoders_agree_on_edge_cases(body):

@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import zipfile
 
+import pytest
+
 from tests.helpers.wheel import installed_from_wheel
 
 
+@pytest.mark.heavy
 def test_the_wheel_installs_runs_and_declares_both_licenses(tmp_path):
     venv = installed_from_wheel(tmp_path)
     result = subprocess.run([str(venv / "bin" / "lightning-otel"), "--help"], capture_output=True, text=True,

@@ -158,6 +158,7 @@ def changed(before, parameters) -> bool:
     return any(not torch.equal(b, p.detach()) for b, p in zip(before, parameters))
 
 
+@pytest.mark.heavy
 def test_a_ppo_step_moves_the_policy_adapter_and_the_critic_and_nothing_else(ppo_learner):
     learner, config = ppo_learner
     module = learner.module
@@ -183,6 +184,7 @@ def test_a_ppo_step_moves_the_policy_adapter_and_the_critic_and_nothing_else(ppo
     assert float(((after - torch.tensor([1.0, 1.0, 0.0, 0.0])) ** 2).mean()) < 0.5
 
 
+@pytest.mark.heavy
 def test_the_critic_is_saved_and_loaded_with_the_learners_state(ppo_learner, tmp_path):
     from lightning_otel.train.learner import Learner
 

@@ -213,6 +213,7 @@ def test_export_prompt_writes_the_patched_system_text_and_demonstrations(tmp_pat
     assert "is not known here" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_the_agents_map_comes_from_the_tutorials_stored_traces_and_targets_only_its_node(tmp_path, capsys):
     """The real tutorial graph under the LangChain instrumentation, against a scripted model (no engine): the
     agents its calls are stored under, and the system message each sent, give the patch file's map."""

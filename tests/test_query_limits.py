@@ -74,6 +74,7 @@ def ingest_and_count(url: str, db_path, seed: int) -> int:
     return client.query("SELECT count(*) AS n FROM spans", db_path)["n"][0]
 
 
+@pytest.mark.heavy
 def test_wide_queries_get_413_and_memory_stays_bounded(collector_process, db_path):
     proc = collector_process("--memory-limit", MEMORY_LIMIT)
     bound = 1 * GB + 1 * GB  # memory_limit + 1 GB
@@ -89,6 +90,7 @@ def test_wide_queries_get_413_and_memory_stays_bounded(collector_process, db_pat
             assert ingest_and_count(proc.url, db_path, seed=10 + number) == 5 * (number + 2)
 
 
+@pytest.mark.heavy
 def test_memory_guard_stops_a_query_the_result_bounds_let_through(collector_process, db_path):
     proc = collector_process("--memory-limit", MEMORY_LIMIT, "--max-result-bytes", str(16 * GB),
                              "--max-query-memory", "1.5GB")
@@ -101,6 +103,7 @@ def test_memory_guard_stops_a_query_the_result_bounds_let_through(collector_proc
     assert client.query("SELECT count(*) AS n FROM range(1000)", db_path)["n"][0] == 1000
 
 
+@pytest.mark.heavy
 def test_one_huge_value_gets_413(collector_process, db_path):
     """A single value is built (and copied once into Arrow) before any check can stop it: the collector then
     peaks near twice or three times the value, and answers 413 instead of sending it."""
@@ -138,6 +141,7 @@ def test_export_reads_pages_under_the_row_bound(collector_process, db_path, tmp_
     assert ids.fetchone()[0] == 2500
 
 
+@pytest.mark.heavy
 def test_spilling_past_the_temp_bound_gets_413(collector_process, db_path):
     proc = collector_process("--memory-limit", "200MB", "--max-temp-size", "100MB")
     sorted_strings = ("SELECT count(*) FROM (SELECT i, md5(i::VARCHAR) || repeat('x', 100) AS s "

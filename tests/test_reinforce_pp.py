@@ -98,6 +98,7 @@ def test_without_kl_no_forward_pass_runs_and_other_advantages_leave_the_rows_alo
     assert with_token_advantages(Unused(), rows, TrainConfig(kl=0.5), StepStats()) is rows
 
 
+@pytest.mark.heavy
 def test_a_reinforce_pp_step_with_kl_moves_the_policy_of_a_group_whose_rewards_agree():
     from lightning_otel.train.learner import Learner
 

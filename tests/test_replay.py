@@ -168,6 +168,7 @@ class Endpoint:
         self.server.close()
 
 
+@pytest.mark.heavy
 def test_an_endpoint_that_goes_down_or_refuses_says_how_much_went_out(first):
     failing = Endpoint(accept=2, then=503)
     try:

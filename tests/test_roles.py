@@ -122,6 +122,7 @@ def test_a_collector_reachable_from_other_machines_needs_a_token_for_every_role(
     assert not db.exists()
 
 
+@pytest.mark.heavy
 def test_collect_takes_a_token_per_role(collector_process, db_path):
     proc = collector_process("--ingest-token", "i1", "--query-token", "q1", "--admin-token", "a1")
     assert proc.info.tokens == {"ingest": "i1", "query": "q1", "admin": "a1"}
@@ -178,6 +179,7 @@ FORGER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
 def test_an_agent_cannot_write_or_overwrite_its_own_reward(tmp_path, monkeypatch):
     # registers the reward gold_only
     monkeypatch.setitem(packs.BUILTIN, "gold", "tests.helpers.train_rewards:GOLD_PACK")

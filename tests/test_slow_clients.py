@@ -159,6 +159,7 @@ def wait_threads_freed(bound_s: float = BOUND_S) -> None:
     assert request_threads() == 0, "a slow client's connection thread was not freed"
 
 
+@pytest.mark.heavy
 def test_slowloris_headers_are_cut_while_others_are_served(served):
     slow = SlowClient(served.url, headers_forever())
     trickler = trickle([slow])
@@ -175,6 +176,7 @@ def test_slowloris_headers_are_cut_while_others_are_served(served):
     slow.close()
 
 
+@pytest.mark.heavy
 def test_a_body_that_stops_gets_408(served):
     head = (f"POST {served.post_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: 100000\r\n\r\n").encode()
@@ -204,6 +206,7 @@ def test_an_idle_keep_alive_connection_is_closed(served):
     wait_threads_freed()
 
 
+@pytest.mark.heavy
 def test_fifty_slow_clients_do_not_stop_ingest_and_query(make_collector, db_path):
     limits = ConnectionLimits(read_timeout_s=0.5, request_timeout_s=4, idle_timeout_s=0.5)
     collector = make_collector(connection_limits=limits)
@@ -218,6 +221,7 @@ def test_fifty_slow_clients_do_not_stop_ingest_and_query(make_collector, db_path
         c.close()
 
 
+@pytest.mark.heavy
 def test_connections_over_the_cap_get_503_at_once(make_collector):
     limits = ConnectionLimits(read_timeout_s=0.5, request_timeout_s=2, idle_timeout_s=0.5, max_connections=4)
     collector = make_collector(connection_limits=limits)
@@ -233,6 +237,7 @@ def test_connections_over_the_cap_get_503_at_once(make_collector):
         c.close()
 
 
+@pytest.mark.heavy
 def test_a_multi_megabyte_ingest_still_succeeds(make_collector, db_path):
     collector = make_collector(connection_limits=FAST)
     body = sample_request(60_000).SerializeToString()

@@ -32,6 +32,7 @@ def at(request, start_ns: int):
     return request
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("live", [True, False], ids=["through-collector", "on-file"])
 def test_sql_reads_and_refuses_everything_else(live, make_collector, db_path, capsys):
     collector = make_collector()
@@ -108,6 +109,7 @@ def test_ingest_cli_exit_code_names_bad_lines(db_path, tmp_path, capsys):
     assert main(["ingest", str(tmp_path / "missing.jsonl"), "--db", str(db_path)]) == 2
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("live", [True, False], ids=["through-collector", "on-file"])
 def test_export_parquet_by_day_and_prune(live, make_collector, db_path, tmp_path):
     collector = make_collector()
@@ -152,6 +154,7 @@ def client_export(db, out, overwrite=False):
     return export_parquet(db, out, overwrite=overwrite)
 
 
+@pytest.mark.heavy
 def test_every_command_has_help():
     from lightning_otel.cli import build_parser
     commands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001

@@ -76,6 +76,7 @@ def query(url: str, sql: str) -> tuple[int, str]:
     return status, (json.loads(body)["message"] if status != 200 else "")
 
 
+@pytest.mark.heavy
 def test_probes_are_refused_and_ingest_keeps_working(collector, db_path):
     assert post(collector.url + "/v1/traces", sample_request(1, seed=0).SerializeToString())[0] == 200
     settings = client.query(SETTINGS, db_path).to_dicts()
@@ -98,6 +99,7 @@ def test_probes_are_refused_and_ingest_keeps_working(collector, db_path):
     ("SELECT * FROM checkpoint()", "checkpoint() is disabled"),
     ("SET threads=1", "only read statements"),
 ])
+@pytest.mark.heavy
 def test_refusals_say_what_is_wrong_and_what_to_do(collector, sql, needle):
     status, message = query(collector.url, sql.format(db=collector.db))
     assert status == 400 and needle in message, message

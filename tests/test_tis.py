@@ -195,6 +195,7 @@ def test_the_config_keys_are_checked():
         TrainConfig(max_staleness=1)
 
 
+@pytest.mark.heavy
 def test_a_real_step_with_tis_scores_the_rows_first_and_starts_at_ratio_1():
     """On the bundled model: the proximal pass (its own micro-batches, prefix sharing) gives the same logprobs as
     the first step's forward pass, so the first ratio is ~1; the behaviour logprobs (-1 per token, far from the

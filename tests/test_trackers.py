@@ -47,6 +47,7 @@ def test_entropy_equals_torchs_categorical_on_the_same_logits_in_any_chunking(ch
     assert torch.allclose(token_entropy(torch.log_softmax(logits, -1), chunk_elements), reference, atol=1e-5)
 
 
+@pytest.mark.heavy
 def test_the_loss_forward_pass_also_gives_the_entropy_without_grad(learner):
     model = learner.module
     rows = [{"rollout_id": f"r{i}", "prompt_ids": list(range(300, 300 + 9 + i)),
@@ -190,6 +191,7 @@ def assert_one_finite_point_per_step(points: dict[str, list[tuple[int, float]]],
         assert all(math.isfinite(value) for _, value in series), name
 
 
+@pytest.mark.heavy
 def test_every_step_is_in_steps_jsonl_with_the_round_record_agreeing(reported_run):
     _, out, record = reported_run
     assert record["steps"] == 3 and record["samples"] == 6
@@ -205,6 +207,7 @@ def test_every_step_is_in_steps_jsonl_with_the_round_record_agreeing(reported_ru
     assert lines[0]["approx_kl"] == pytest.approx(0.0, abs=1e-6) and lines[-1]["approx_kl"] > 1e-6
 
 
+@pytest.mark.heavy
 def test_tensorboard_has_the_step_series_and_the_round_record(reported_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -217,6 +220,7 @@ def test_tensorboard_has_the_step_series_and_the_round_record(reported_run):
     assert point.step == 1 and point.value == pytest.approx(record["entropy"], rel=1e-6)
 
 
+@pytest.mark.heavy
 def test_mlflow_has_the_step_series_and_the_config_as_params(reported_run):
     from mlflow.tracking import MlflowClient
 
@@ -241,6 +245,7 @@ def wandb_file(out: Path, run_id: str) -> Path:
     return files[-1]
 
 
+@pytest.mark.heavy
 def test_wandb_offline_has_the_step_series_against_the_optimizer_step(reported_run):
     config, out, record = reported_run
     run_id = json.loads((out / trackers.STATE_FILE).read_text())["wandb"]["id"]
@@ -258,6 +263,7 @@ def test_wandb_offline_has_the_step_series_against_the_optimizer_step(reported_r
     assert logged["lr"] == config.lr and logged["report_to"] == config.report_to
 
 
+@pytest.mark.heavy
 def test_a_resumed_run_continues_its_tracker_runs_and_a_new_one_starts_others(reported_run):
     from mlflow.tracking import MlflowClient
 

@@ -129,6 +129,7 @@ def test_rollouts_page_filters_sorts_and_pages(collector, db_path):
         assert "0–0 of 0 rollouts" in nobody
 
 
+@pytest.mark.heavy
 def test_rollout_page_shows_its_tree_across_traces_messages_tools_rewards_and_errors(collector, db_path):
     store_conversation(collector.url, "conv-1")
     store_rollouts(collector.url, db_path, {"r1": ("t1", 1.0, 2)})
