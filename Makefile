@@ -28,7 +28,7 @@ TEST_FAST_WORKERS ?= 2
 xdist = $(if $(filter-out 1,$(1)),-n $(1) --dist loadgroup,)
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup engine crewai phoenix browser demo dist test test-fast test-floors test-asan clean
+.PHONY: setup engine crewai phoenix browser floors prepare demo dist test test-fast test-floors test-asan clean
 
 setup: $(VENV)/.installed
 
@@ -54,7 +54,9 @@ $(ENGINE_VENV)/.installed: Makefile
 
 crewai: $(CREWAI_VENV)/.installed
 
-$(CREWAI_VENV)/.installed: pyproject.toml
+# After the project's venv: an editable install builds the C decoder in place (span_store/) and writes the
+# egg-info there, so two of them at once (make -j) would write the same files. The floors venv comes after this.
+$(CREWAI_VENV)/.installed: pyproject.toml $(VENV)/.installed
 	$(PYTHON) -m venv $(CREWAI_VENV)
 	$(CREWAI_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
 	$(CREWAI_VENV)/bin/python -m pip install $(PIP_QUIET) -e '.[crewai]'
@@ -90,7 +92,13 @@ dist:
 	rm -rf build dist
 	$(PY) -m pip wheel $(PIP_QUIET) --no-deps --no-build-isolation --disable-pip-version-check -w dist .
 
-test: setup engine crewai phoenix browser
+# Every environment the suite needs, built side by side (pip downloads and unpacks while apt installs chromium):
+# about half the time of building them one after another.
+PREPARE_JOBS ?= 4
+prepare:
+	$(MAKE) -j$(PREPARE_JOBS) --output-sync=target setup engine crewai phoenix browser floors
+
+test: prepare
 	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) $(PYTEST_ARGS)
 	$(MAKE) test-floors
 	$(MAKE) test-asan
@@ -112,13 +120,18 @@ FLOORS_TESTS := tests/test_floors.py tests/test_collector_http.py tests/test_sql
 	--deselect tests/test_otlp_fast.py::test_bit_flips \
 	--deselect tests/test_otlp_fast.py::test_every_single_bit_flip_of_a_small_body
 
-test-floors:
+floors: $(FLOORS_VENV)/.installed
+
+$(FLOORS_VENV)/.installed: .ci/floors.txt pyproject.toml $(CREWAI_VENV)/.installed
 	rm -rf $(FLOORS_VENV)
 	$(FLOORS_PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install $(PIP_QUIET) --only-binary :all: -r .ci/floors.txt \
 		'pytest>=8' 'hypothesis>=6.100'
 	$(FLOORS_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps -e .
 	$(FLOORS_VENV)/bin/python -m pip check
+	touch $@
+
+test-floors: floors
 	$(FLOORS_VENV)/bin/python -m pytest -q -m "not heavy" $(PYTEST_ARGS) $(FLOORS_TESTS)
 
 # The C decoder parses untrusted network input: its tests again, on an AddressSanitizer/UBSan build of it
