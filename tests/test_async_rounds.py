@@ -242,7 +242,7 @@ def check_async_run(run: Path, tasks: Path, seed: int, per_round: int, n: int) -
         assert set(record["staleness"]) <= {"0", "1"} and sum(record["staleness"].values()) >= per_round * n
         assert record["stale_dropped_groups"] == 0
     first, second = records
-    assert first["staleness"] == {"0": per_round * n} and not first["rollouts_in_background"]
+    assert set(first["staleness"]) == {"0"} and not first["rollouts_in_background"]  # round 1 runs first, alone
     assert second["rollouts_in_background"] and set(second["served_policy_versions"]) <= {0, 1}
     assert first["swap_seconds"] is not None and "tis_truncated_fraction" in second
     return records
