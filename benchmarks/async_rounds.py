@@ -1,7 +1,7 @@
 """Async rounds against synchronous ones: wall time per round with `max_staleness` 0 and 1, the same config,
 one engine shared by both runs (started once, so neither run pays its start).
 
-    .venv/bin/python -m benchmarks.async_rounds [--rounds 3] [--tasks-per-round 2] [--n 4] [--max-tokens 32]
+    .venv/bin/python -m benchmarks.async_rounds [--rounds 3] [--tasks-per-round 2] [--n 2] [--max-tokens 16]
 
 The run is tests/test_train.py's: Spider poker_player questions, the plain-OpenAI example agent as an agent
 function, a reward that varies within groups, LoRA rank 8 on the bundled SmolLM2-135M. Per round it prints the
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tasks-per-round", type=int, default=2)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--n", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     python = default_engine_python()

@@ -228,23 +228,23 @@ def test_async_rounds_need_tis_cap_and_no_sleep_mode():
 # ---- on the real engine --------------------------------------------------------------------------------
 
 
-def check_async_run(run: Path, tasks: Path, seed: int, per_round: int, n: int) -> list[dict]:
-    """The rounds drew the tasks k=0 draws, in its order, ran each n times, and no record is more than one
-    version behind the policy its round trained."""
+def check_async_run(run: Path, tasks: Path, seed: int, per_round: int, n: int, rounds: int) -> list[dict]:
+    """Each round drew the tasks k=0 draws, in its order, ran each n times, and no record is more than one
+    version behind the policy its round trained; the rounds after the first ran their rollouts in the
+    background (but for a round resumed after a kill, which runs its own)."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in records] == [1, 2]
+    assert [r["round"] for r in records] == list(range(1, rounds + 1))
     for r, record in enumerate(records):
         expected = [t.task_id for t in round_tasks(load_tasks(tasks), r, per_round, seed)]
         drawn = [json.loads(line)["id"] for line in
                  (run / "rounds" / f"round-{r + 1:04d}" / "tasks.jsonl").read_text().splitlines()]
         assert drawn == expected
-        assert record["rollouts"] == per_round * n
+        assert record["rollouts"] == per_round * n  # the killed run's partial rollouts are not counted
         assert set(record["staleness"]) <= {"0", "1"} and sum(record["staleness"].values()) >= per_round * n
-        assert record["stale_dropped_groups"] == 0
-    first, second = records
-    assert set(first["staleness"]) == {"0"} and not first["rollouts_in_background"]  # round 1 runs first, alone
-    assert second["rollouts_in_background"] and set(second["served_policy_versions"]) <= {0, 1}
-    assert first["swap_seconds"] is not None and "tis_truncated_fraction" in second
+        assert record["stale_dropped_groups"] == 0 and "tis_truncated_fraction" in record
+        assert set(record["served_policy_versions"]) <= {record["policy_version"] - 1, record["policy_version"]}
+    assert set(records[0]["staleness"]) == {"0"} and not records[0]["rollouts_in_background"]  # it runs alone
+    assert records[-1]["rollouts_in_background"] and records[0]["swap_seconds"] is not None
     return records
 
 
@@ -256,7 +256,7 @@ def test_a_k1_run_draws_the_tasks_of_k0_in_order_with_records_at_most_one_versio
     with Trainer(config, engine=engine) as trainer:
         state = trainer.run()
     assert state.rounds_completed == 2 and state.policy_version == 2
-    check_async_run(Path(config.output_dir), Path(config.tasks), 5, 2, 2)
+    check_async_run(Path(config.output_dir), Path(config.tasks), 5, 2, 2, rounds=2)
 
 
 @pytest.mark.needs_engine
@@ -264,23 +264,27 @@ def test_a_k1_run_killed_while_the_next_rounds_rollouts_run_resumes(engine, tmp_
     tasks = spider_tasks(tmp_path / "tasks.jsonl", 4)
     run = tmp_path / "run"
     command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={AGENT}", f"reward={REWARD}",
-               "task_pack=spider", "n=2", "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4",
+               "task_pack=spider", "n=2", "tasks_per_round=2", "rounds=3", "batch_size=16", "micro_batch=4",
                "max_tokens=16", "lora_rank=8", "max_staleness=1", "tis_cap=2.0",
                f"output_dir={run}", f"engine_url={engine.url}", "seed=3", "concurrency=4"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    # round 2's task file appears when its rollouts start in the background, while round 1 trains
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)
-    ready = run / "rounds" / "round-0002" / "tasks.jsonl"
+    # round 3's task file appears when its rollouts start in the background, as round 2 starts training
+    ready = run / "rounds" / "round-0003" / "tasks.jsonl"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and first.poll() is None and not ready.is_file():
         time.sleep(0.05)
     assert first.poll() is None, f"the run ended before it could be killed:\n{first.stdout.read().decode()[-3000:]}"
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(30)
-    assert json.loads((run / "run.json").read_text())["rounds_completed"] == 0
+    killed_at = json.loads((run / "run.json").read_text())
+    assert killed_at["rounds_completed"] == 1 and killed_at["policy_version"] == 1
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "resuming" in second.stdout and "at round 2 of 3" in second.stdout, second.stdout[-2000:]
     state = json.loads((run / "run.json").read_text())
-    assert state["rounds_completed"] == 2 and state["policy_version"] == 2
-    check_async_run(run, tasks, 3, 2, 2)
+    assert state["rounds_completed"] == 3 and state["policy_version"] == 3
+    records = check_async_run(run, tasks, 3, 2, 2, rounds=3)
+    assert not records[1]["rollouts_in_background"]  # the resumed round ran its rollouts again, itself
+    assert records[2]["optimizer_steps_total"] == records[0]["steps"] + records[1]["steps"] + records[2]["steps"]
