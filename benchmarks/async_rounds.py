@@ -4,12 +4,13 @@ one engine shared by both runs (started once, so neither run pays its start).
     .venv/bin/python -m benchmarks.async_rounds [--rounds 3] [--tasks-per-round 2] [--n 2] [--max-tokens 16]
 
 The run is tests/test_train.py's: Spider poker_player questions, the plain-OpenAI example agent as an agent
-function, a reward that varies within groups, LoRA rank 8 on the bundled SmolLM2-135M. Per round it prints the
-wall time (from one round's record to the next; the first round's includes the learner's start, so the mean
-is over the later rounds) and the phase times from metrics.jsonl: rollouts (how long they took, and how long
-the round waited for them), training, and the policy swap (draining included). Then what max(rollout, train)
-would give, the overlap async rounds can reach where rollouts and training do not compete for the same cores
-(on a GPU: the engine on its own GPU, or beside the learner): k=0's wall time less the shorter phase. Writes the two run folders into a temporary folder.
+function, a reward that varies within groups, LoRA rank 8 on the bundled SmolLM2-135M. Per round it prints
+the wall time (from one round's record to the next; the first round's includes one-time warm-ups and cannot
+run ahead, so the mean is over the later rounds) and the phase times from metrics.jsonl: rollouts (how long
+they took, and how long the round waited for them), training, and the policy swap (draining included). Then
+what hiding one phase behind the other would give where rollouts and training do not compete for the same
+cores (a GPU for each, or one GPU with room for both): k=0's wall time less the shorter of the two phases.
+Writes the two run folders into a temporary folder.
 """
 from __future__ import annotations
 
@@ -77,18 +78,17 @@ def main(argv: list[str] | None = None) -> dict:
                                      log_path=folder / "engine.log"))
     engine.start()
     results = {}
+    print(f"{'k':>2} {'round':>5} {'wall s':>7} {'rollout s':>9} {'waited s':>8} {'train s':>7} {'swap s':>6} "
+          f"{'behind':>12}", flush=True)
     try:
         for k in (0, 1):
             results[k] = run(engine, folder, k, args)
+            for r in results[k]:  # as each run ends: a run cut short still shows the first
+                print(f"{k:>2} {r['round']:>5} {r['wall_seconds']:7.1f} {r['rollout_seconds']:9.1f} "
+                      f"{r['rollout_wait_seconds']:8.1f} {r['train_seconds'] or 0:7.1f} "
+                      f"{r['swap_seconds'] or 0:6.1f} {json.dumps(r.get('staleness', {})):>12}", flush=True)
     finally:
         engine.stop()
-    print(f"{'k':>2} {'round':>5} {'wall s':>7} {'rollout s':>9} {'waited s':>8} {'train s':>7} {'swap s':>6} "
-          f"{'behind':>12}")
-    for k, records in results.items():
-        for r in records:
-            print(f"{k:>2} {r['round']:>5} {r['wall_seconds']:7.1f} {r['rollout_seconds']:9.1f} "
-                  f"{r['rollout_wait_seconds']:8.1f} {r['train_seconds'] or 0:7.1f} {r['swap_seconds'] or 0:6.1f} "
-                  f"{json.dumps(r.get('staleness', {})):>12}")
     summary = {}
     for k, records in results.items():
         later = records[1:] or records
