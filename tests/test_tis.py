@@ -190,8 +190,8 @@ def test_the_config_keys_are_checked():
             TrainConfig(tis_cap=bad)
     with pytest.raises(UserError, match="max_staleness = -1: give a whole number"):
         TrainConfig(max_staleness=-1)
-    with pytest.raises(UserError, match="max_staleness = 1: async rounds .* are not built yet; only "
-                                        "max_staleness = 0"):
+    with pytest.raises(UserError, match="max_staleness = 1: async rounds train on rollouts up to 1 policy "
+                                        "version.* set tis_cap"):
         TrainConfig(max_staleness=1)
 
 

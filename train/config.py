@@ -90,8 +90,8 @@ class TrainConfig:
     tis_cap: float = 0.0              # truncated importance sampling: ratio against the learner's own logprobs before
                                       # the pass, each token weighted by min(exp(prox - behaviour), tis_cap);
                                       # 0: off (the ratio is against the recorded logprobs); e.g. 2.0
-    max_staleness: int = 0            # async rounds: how many policy versions a rollout may lag (0: synchronous;
-                                      # only 0 is available until async rounds are built)
+    max_staleness: int = 0            # async rounds: the next round(s)' rollouts run while this one trains, at
+                                      # most this many policy versions behind (0: synchronous); needs tis_cap
     aggregation: str = "rollout"      # loss weighting: token | sequence | rollout (train/losses.py)
     epochs: int = 1                   # passes over a round's transitions
     batch_size: int = 16              # transitions per optimizer step
@@ -167,10 +167,14 @@ class TrainConfig:
             (type(self.max_staleness) is int and self.max_staleness >= 0,
              f"max_staleness = {self.max_staleness!r}: give a whole number of policy versions >= 0 (0: synchronous "
              f"rounds)"),
-            (not self.max_staleness,
-             f"max_staleness = {self.max_staleness}: async rounds (rollouts of the next round while this one "
-             f"trains) are not built yet; only max_staleness = 0 (synchronous rounds) works. Leave it unset; "
-             f"tis_cap (truncated importance sampling) is available already"),
+            (not self.max_staleness or self.tis_cap,
+             f"max_staleness = {self.max_staleness}: async rounds train on rollouts up to {self.max_staleness} "
+             f"policy version(s) old, so the loss must correct for the older sampler: set tis_cap (truncated "
+             f"importance sampling, e.g. tis_cap = 2.0), or max_staleness = 0 for synchronous rounds"),
+            (not self.max_staleness or not self.sleep_mode,
+             f"max_staleness = {self.max_staleness} with sleep_mode: async rounds keep the engine generating the "
+             f"next round while the learner trains, and sleep_mode puts it to sleep then; choose one (a GPU with "
+             f"room for both: drop sleep_mode and lower gpu_memory_utilization)"),
             (self.value_clip >= 0, f"value_clip = {self.value_clip}: must be >= 0 (0: no clipping)"),
             (self.critic_lr > 0, f"critic_lr = {self.critic_lr}: must be positive"),
             (self.critic == "head" or self.advantage in CRITIC_ADVANTAGES,

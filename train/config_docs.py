@@ -93,8 +93,9 @@ HELP: dict[str, str] = {
                "before the round's first update, and each token is weighted by `min(exp(prox - behaviour), "
                "tis_cap)` against the logprobs the sampler recorded; 0 or at least 1, e.g. 2.0. See \"Truncated "
                "importance sampling\".",
-    "max_staleness": "Async rounds: how many policy versions a rollout may lag behind the learner. Only 0 "
-                     "(synchronous rounds) is available: async rounds are not built yet.",
+    "max_staleness": "Async rounds (0: synchronous): the rollouts of the next `max_staleness` rounds run while "
+                     "this one trains, and a group with a record more than `max_staleness` policy versions behind "
+                     "the learner is dropped. Needs `tis_cap`; not with `sleep_mode`. See \"Async rounds\".",
     "aggregation": "Loss weighting: `token`, `sequence` or `rollout` (every rollout weighs the same).",
     "epochs": "Passes over a round's transitions.",
     "batch_size": "Transitions per optimizer step.",

@@ -6,7 +6,9 @@
 Each round: the engine serves the current policy through the gateway -> the runner executes the agent over
 `tasks_per_round` tasks x `n` samples -> spans land in the run's store -> the compiler builds transitions
 (groups of (task, policy version)) -> GRPO steps under DeepSpeed -> the adapter is saved and hot-loaded by
-the engine as policy version r. An optional SFT warm start runs before round 1 (train/sft.py).
+the engine as policy version r. An optional SFT warm start runs before round 1 (train/sft.py). With
+`max_staleness` >= 1 the next rounds' rollouts run in the background while a round trains (async rounds:
+train/async_rounds.py); the engine swaps policies between requests (lightning_otel/serve/gate.py).
 
 The run folder: config.toml (resolved config), run.json (progress: rounds completed, last and best
 checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
@@ -37,6 +39,7 @@ from lightning_otel.rollouts.runner import RolloutConfig, Task, load_tasks, run_
 from lightning_otel.serve.engine import PolicyEngine
 from lightning_otel.serve.hub import parse_hub_id, recorded_model
 from lightning_otel.train.adapter_rounds import optimize_adapters, split_by_adapter
+from lightning_otel.train.async_rounds import RoundsAhead, drop_stale_groups, record_versions, staleness
 from lightning_otel.train.checkpoints import merge_adapter
 from lightning_otel.train.config import TrainConfig, render_toml
 from lightning_otel.train.metrics import open_metrics
@@ -74,6 +77,7 @@ class Trainer:
         self._stack = ExitStack()
         self._engine = engine
         self._worker = None  # the agent function's worker process, when the agent is one
+        self._ahead: RoundsAhead | None = None  # the rounds whose rollouts run in the background (max_staleness)
         self.db = self.folder.path / "traces.duckdb"
 
     def __enter__(self) -> "Trainer":
@@ -150,9 +154,10 @@ class Trainer:
 
     def rollouts(self, tasks_file: Path, n: int, label: str, temperature: float | None, max_tokens: int,
                  max_calls: int | None = None, reward: bool = True, answers: list[str] | None = None,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, stop=None):
         """Run `n` rollouts of every task in `tasks_file`; `progress(done, total)` replaces the default report
-        (this call's rollouts under `label`) when a phase spans several calls."""
+        (this call's rollouts under `label`) when a phase spans several calls; once `stop` (a threading.Event)
+        is set, the rollouts not yet begun are skipped."""
         c = self.config
         progress = progress or (lambda done, total: self.progress(label, done, total))
         config = RolloutConfig(tasks=tasks_file, agent=c.agent, n=n, concurrency=c.concurrency, db=self.db,
@@ -164,7 +169,28 @@ class Trainer:
                                tool_format=c.tool_format or None, prompt=Path(c.prompt) if c.prompt else None,
                                adapters=c.adapters)
         return run_rollouts(config, lambda result, done, total: progress(done, total), engine=self.engine,
-                            worker=self._agent_worker())
+                            worker=self._agent_worker(), stop=stop)
+
+    def _round_tasks(self, r: int) -> Path:
+        c = self.config
+        return write_tasks(round_tasks(self.tasks, r, c.tasks_per_round, c.seed),
+                           self.folder.path / "rounds" / f"round-{r + 1:04d}" / "tasks.jsonl")
+
+    def _run_ahead(self, r: int) -> None:
+        """Async rounds: start the rollouts of the rounds after r, up to max_staleness of them, in the background
+        (train/async_rounds.py), on the engine that keeps serving while round r trains."""
+        c = self.config
+        if self._ahead is None:
+            self._agent_worker()  # started here, not in the background thread
+            self._ahead = RoundsAhead(self._rollouts_ahead)
+            self._stack.callback(self._ahead.close)  # before the engine and the collector stop
+        self._ahead.schedule(range(r + 1, min(r + 1 + c.max_staleness, c.rounds)))
+
+    def _rollouts_ahead(self, r: int, stop):
+        c = self.config
+        label = f"round {r + 1}/{c.rounds} rollouts (in the background)"
+        return self.rollouts(self._round_tasks(r), c.n, label, c.temperature, c.max_tokens, stop=stop,
+                             progress=lambda done, total: done >= total and self.progress(label, done, total))
 
     def _agent_worker(self):
         """For an agent function: one worker process for every rollout of the run (None for a command)."""
@@ -207,6 +233,8 @@ class Trainer:
             self._commit(state, record)
         for r in range(state.rounds_completed, c.rounds):
             record = self.train_round(r, state)
+            gate = self.engine.gate
+            swaps, drained, held, seconds = gate.swaps, gate.drained, gate.held, gate.swap_seconds
             if record["steps"]:
                 self._checkpoint(state, f"round-{r + 1:04d}")
             else:
@@ -214,8 +242,13 @@ class Trainer:
                 state.rounds_without_step += 1
                 log.warning("round %d/%d took no optimizer step, the policy stays version %d: %s", r + 1, c.rounds,
                             state.policy_version, record["no_step"])
+            # the change of policy: the requests in flight it waited for, and those it held (async rounds)
+            record.update(swap_seconds=gate.swap_seconds - seconds if gate.swaps > swaps else None,
+                          swap_drained_requests=gate.drained - drained, swap_held_requests=gate.held - held)
             state.rounds_completed = r + 1
             if c.val_tasks and (r + 1) % c.val_every == 0:
+                if self._ahead is not None:
+                    self._ahead.wait_idle()  # validation runs alone, on the policy just served
                 record.update(self.validate(state))
             self._commit(state, record)
         return state
@@ -266,16 +299,31 @@ class Trainer:
     def train_round(self, r: int, state: RunState) -> dict:
         c = self.config
         torch.manual_seed(c.seed * 100_003 + r)
-        tasks_file = write_tasks(round_tasks(self.tasks, r, c.tasks_per_round, c.seed),
-                                 self.folder.path / "rounds" / f"round-{r + 1:04d}" / "tasks.jsonl")
+        tasks_file = self._round_tasks(r)
         started = time.perf_counter()
-        summary = self.rollouts(tasks_file, c.n, f"round {r + 1}/{c.rounds} rollouts", c.temperature, c.max_tokens)
-        rollout_seconds = time.perf_counter() - started
-        self.engine.sleep()
+        ahead = self._ahead.take(r) if self._ahead is not None else None  # run in the background (max_staleness)
+        if ahead is None:
+            summary = self.rollouts(tasks_file, c.n, f"round {r + 1}/{c.rounds} rollouts", c.temperature,
+                                    c.max_tokens)
+            rollout_seconds = time.perf_counter() - started
+        else:
+            summary, rollout_seconds = ahead.summary, ahead.seconds
+        waited = time.perf_counter() - started  # what the round waited for its rollouts
+        if c.max_staleness:
+            self._run_ahead(r)
+        asleep = self._ahead is None or not self._ahead.busy  # never while rollouts run in the background
+        if asleep:
+            self.engine.sleep()
         ids = frozenset(result.rollout_id for result in summary.results)
         frame, account = compile_transitions(CompileConfig(
             db=self.db, reward=c.reward, emitted_rewards=False, gamma=c.gamma, advantage=c.advantage,
             agents=c.agents or None, merge_turns=c.merge_turns, rollout_ids=ids))
+        figures: dict = {"rollout_wait_seconds": waited, "rollouts_in_background": ahead is not None}
+        if c.max_staleness:  # how old the records are, and the groups too old to train on
+            versions = record_versions(self.db, ids)
+            frame, figures["stale_dropped_groups"] = drop_stale_groups(frame, versions, state.policy_version,
+                                                                       c.max_staleness)
+            figures.update(staleness(versions, state.policy_version))
         # what this round trains on, as `compile` writes it (the viewer colours tokens by these advantages)
         frame.write_parquet(tasks_file.parent / "transitions.parquet")
         rows = frame.to_dicts()
@@ -292,7 +340,8 @@ class Trainer:
                              progress=lambda done, total: self.progress(f"round {r + 1}/{c.rounds} train", done,
                                                                         total),
                              on_step=self.metrics.write_step)
-        self.engine.wake()
+        if asleep:
+            self.engine.wake()
         no_step = None if stats.steps else (
             account.why_none(c.reward) if not rows
             else f"all {len(rows)} transitions are longer than max_length ({c.max_length}): raise max_length or "
@@ -310,7 +359,8 @@ class Trainer:
             "prompt_tokens": sum(len(x["prompt_ids"]) for x in rows),
             "completion_tokens": sum(len(x["completion_ids"]) for x in rows),
             "zero_variance_groups": zero_variance_groups(summary.results),
-            "rollout_seconds": rollout_seconds, "optimizer_steps_total": self.learner.engine.global_steps,
+            "rollout_seconds": rollout_seconds, **figures,
+            "optimizer_steps_total": self.learner.engine.global_steps,
             **stats.summary(), **by_adapter, **({"no_step": no_step} if no_step else {}),
         }
 

@@ -345,19 +345,22 @@ class Runner:
         self.instrument = find_instrument()
 
     def run(self, tasks: list[Task], argv: list[str] | AgentFunction,
-            progress: Callable[[RolloutResult, int, int], None] | None = None) -> RolloutSummary:
-        """Run every (task, sample); `argv` is the agent command, or function, as check_inputs() returned it."""
+            progress: Callable[[RolloutResult, int, int], None] | None = None,
+            stop: threading.Event | None = None) -> RolloutSummary:
+        """Run every (task, sample); `argv` is the agent command, or function, as check_inputs() returned it.
+        Once `stop` is set, the rollouts not yet begun are skipped."""
         if isinstance(argv, AgentFunction) and self.worker is None:
             self.worker = self.start_worker(argv)  # one worker process for every rollout of this call
             try:
-                return self._run(tasks, argv, progress)
+                return self._run(tasks, argv, progress, stop)
             finally:
                 self.worker.close()
                 self.worker = None
-        return self._run(tasks, argv, progress)
+        return self._run(tasks, argv, progress, stop)
 
     def _run(self, tasks: list[Task], argv: list[str] | AgentFunction,
-             progress: Callable[[RolloutResult, int, int], None] | None) -> RolloutSummary:
+             progress: Callable[[RolloutResult, int, int], None] | None,
+             stop: threading.Event | None = None) -> RolloutSummary:
         self.write_records("tasks", [{"task_id": t.task_id, "fields": t.fields, "source": str(self.config.tasks),
                                       "created_ns": time.time_ns()} for t in tasks])
         jobs = [(task, attempt) for task in tasks for attempt in range(self.config.n)]
@@ -367,6 +370,8 @@ class Runner:
         work.mkdir(parents=True, exist_ok=True)
 
         def one(job: tuple[Task, int]) -> None:
+            if stop is not None and stop.is_set():
+                return
             result = self.run_one(argv, job[0], job[1], work)
             with lock:
                 summary.results.append(result)
@@ -477,9 +482,11 @@ class Runner:
 
 
 def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, int], None] | None = None,
-                 engine: PolicyEngine | None = None, worker: AgentWorker | None = None) -> RolloutSummary:
+                 engine: PolicyEngine | None = None, worker: AgentWorker | None = None,
+                 stop: threading.Event | None = None) -> RolloutSummary:
     """Start what is not running (collector on config.db; engine and gateway unless --base-url points
-    elsewhere or an engine is given), run every rollout, stop what was started.
+    elsewhere or an engine is given), run every rollout, stop what was started. Once `stop` is set, the
+    rollouts not yet begun are skipped (those running finish): the summary then holds fewer results.
 
     With an agent function, one worker process serves every rollout of the call; `worker` (one the caller
     started with Runner.start_worker, for the same function and a collector that outlives the calls) is used
@@ -512,7 +519,7 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
         runner = Runner(config, info.url, agent_token(info),
                         lambda table, rows: client.write_records(config.db, table, rows),
                         spans_of, base_url_for, policy_version, script, worker)
-        return runner.run(tasks, argv, progress)
+        return runner.run(tasks, argv, progress, stop)
 
 
 def start_gateway(config: RolloutConfig, collector_info, engine, owned):
@@ -540,7 +547,7 @@ def start_gateway(config: RolloutConfig, collector_info, engine, owned):
         template = read_chat_template(config.chat_template) if config.chat_template is not None else None
         tools = template_tools(engine.config.model_dir, template, config.tool_format)
         gateway = Gateway(engine, GatewayConfig(**common, chat_template=template, native_tools=tools.native,
-                                                tool_format=tools.format, adapters=config.adapters))
+                                                tool_format=tools.format, adapters=config.adapters), engine.gate)
     gateway.start()
     owned.callback(gateway.close)
     return gateway

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from lightning_otel.errors import UserError
+from lightning_otel.serve.gate import SwapGate
 from lightning_otel.lifetime import free_port, parent_death_signal, start_group_watchdog
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class PolicyEngine(Engine, Protocol):
     base_name: str
     base_dir: Path  # the model it started on; load_model() may serve other weights
     adapters: dict[str, str]  # one adapter per agent: adapter name -> its served LoRA name (update_adapters)
+    gate: SwapGate  # held by the gateway around each request, closed by every change of policy (gate.py)
 
     def start(self) -> None: ...
     def attach(self, url: str) -> None: ...
@@ -347,6 +349,8 @@ class VLLMEngine:
         self.process: subprocess.Popen | None = None
         self.base_dir = Path(config.model_dir)  # what it started on; load_model() may serve other weights
         self.reloads = self.restarts = 0  # how load_model() / use_base() moved it: in place, or by a restart
+        # Changes of policy wait for the gateway's requests in flight and hold new ones (async rounds: gate.py).
+        self.gate = SwapGate()
 
     def command(self) -> list[str]:
         c = self.config
@@ -492,20 +496,23 @@ class VLLMEngine:
         return self._post("/tokenize", {**body, "model": self.model_name}, timeout)
 
     def update_weights(self, adapter_dir: Path, version: int) -> None:
-        """Serve a LoRA adapter as the new policy; requests after this call use it."""
+        """Serve a LoRA adapter as the new policy; requests after this call use it (those in flight finish on
+        the old one first)."""
         name = f"{self.base_name}-v{version}"
-        self._load_lora(name, adapter_dir)
-        self.model_name, self.policy_version, self.adapters = name, version, {}
+        with self.gate.swap():
+            self._load_lora(name, adapter_dir)
+            self.model_name, self.policy_version, self.adapters = name, version, {}
 
     def update_adapters(self, adapter_dirs: dict[str, Path], version: int) -> None:
         """One adapter per agent: serve each named LoRA adapter as its agents' policy at `version`
         (served_model(name)); the base model keeps serving the calls of no adapter."""
         served = {}
-        for adapter, folder in adapter_dirs.items():
-            served[adapter] = f"{self.base_name}-{adapter}-v{version}"
-            self._load_lora(served[adapter], Path(folder))
-        self.adapters = served
-        self.model_name, self.policy_version = self.base_name, version
+        with self.gate.swap():
+            for adapter, folder in adapter_dirs.items():
+                served[adapter] = f"{self.base_name}-{adapter}-v{version}"
+                self._load_lora(served[adapter], Path(folder))
+            self.adapters = served
+            self.model_name, self.policy_version = self.base_name, version
 
     def served_model(self, adapter: str | None) -> str:
         """The model name that serves `adapter`'s calls: its loaded LoRA, else (none loaded yet: the adapters
@@ -531,15 +538,17 @@ class VLLMEngine:
         if self.process is None:
             raise UserError("full weights can only be reloaded into an engine started here; with an outside "
                             "engine, train LoRA adapters (full_finetune = false)")
-        self._move_to(Path(model_dir))
-        self.model_name, self.policy_version, self.adapters = self.base_name, version, {}
+        with self.gate.swap():
+            self._move_to(Path(model_dir))
+            self.model_name, self.policy_version, self.adapters = self.base_name, version, {}
 
     def use_base(self) -> None:
         """Serve the base model again (adapters stay loaded in vLLM, unused); an engine that load_model()
         moved to other weights goes back to the model it started with."""
-        if self.process is not None:
-            self._move_to(self.base_dir)
-        self.model_name, self.policy_version, self.adapters = self.base_name, 0, {}
+        with self.gate.swap():
+            if self.process is not None:
+                self._move_to(self.base_dir)
+            self.model_name, self.policy_version, self.adapters = self.base_name, 0, {}
 
     def _move_to(self, model_dir: Path) -> None:
         if model_dir.resolve() == Path(self.config.model_dir).resolve():

@@ -70,6 +70,7 @@ from lightning_otel.serve.chat_tools import (ToolPlan, chat_upstream, name_choic
                                              with_opening)
 from lightning_otel.serve.engine import Engine, EngineError
 from lightning_otel.serve import forward
+from lightning_otel.serve.gate import SwapGate
 from lightning_otel.serve.gateway_http import GatewayHandler, GatewayServer
 from lightning_otel.serve import responses
 from lightning_otel.serve.prompts import PromptPatch, PromptPatches
@@ -187,14 +188,17 @@ class ChatCall:
 
 
 class Gateway:
-    def __init__(self, engine: Engine | None, config: GatewayConfig):
-        """`engine`: what answers; None when the config forwards to an outside endpoint (forward_url)."""
+    def __init__(self, engine: Engine | None, config: GatewayConfig, gate: SwapGate | None = None):
+        """`engine`: what answers; None when the config forwards to an outside endpoint (forward_url). `gate`:
+        the engine's SwapGate (PolicyEngine.gate), held around each model request so that a change of policy
+        waits for the requests in flight and holds the new ones (gate.py); None: a gate of the gateway's own."""
         self.outside = None if config.forward_url is None else forward.Outside(
             config.forward_url, config.forward_api_key_env, config.forward_model, config.forward_timeout_s)
         if (engine is None) == (self.outside is None):
             raise ValueError("give an engine, or a config with forward_url, not both")
         self.engine: Engine = engine if engine is not None else self.outside  # type: ignore[assignment]
         self.config = config
+        self.gate = gate if gate is not None else SwapGate()
         self.format: ToolFormat = tool_format(config.tool_format)
         self.provider = TracerProvider(resource=Resource.create({"service.name": "lightning-gateway"}))
         if config.collector_url:

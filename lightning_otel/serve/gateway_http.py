@@ -158,6 +158,11 @@ class GatewayHandler(KeepAliveHandler):
             return self._error(413, f"request body is over the {gateway.config.max_body_bytes}-byte limit")
         raw = self.read_body()
         headers = {k.lower(): v for k, v in self.headers.items()}
+        # The whole request, a stream until it is closed and recorded, runs under one policy version (gate.py).
+        with gateway.gate.request():
+            self._answer(gateway, raw, headers)
+
+    def _answer(self, gateway: "Gateway", raw: bytes, headers: dict[str, str]) -> None:
         try:
             rollout_id, path = self._route()
             body = parse_body(raw)

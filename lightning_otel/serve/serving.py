@@ -135,7 +135,7 @@ def serve_policy(spec: str, port: int = 8000, db: Path | None = None, python: st
             engine = engine_for_policy(policy, engine, owned, python)
             tools = template_tools(policy.base_model, template, tool_format)
             gateway = Gateway(engine, replace(settings, native_tools=tools.native, tool_format=tools.format,
-                                              adapters=dict(policy.routes)))
+                                              adapters=dict(policy.routes)), engine.gate)
         gateway.start()
         owned.callback(gateway.close)
         if ready:
