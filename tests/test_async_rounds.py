@@ -29,7 +29,7 @@ from lightning_otel.serve.gateway import GENERATE_SPAN, Gateway, GatewayConfig
 from lightning_otel.train.async_rounds import RoundsAhead, drop_stale_groups, staleness
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.pool import round_tasks
-from test_train import AGENT, BIN, REPO, REWARD, small_config, spider_tasks
+from test_train import AGENT, BIN, REPO, REWARD, spider_tasks
 
 BOUND_S = 20.0  # far above what any wait here takes
 
