@@ -73,7 +73,7 @@ def test_a_forced_opening_and_the_name_choice_continue_the_answer():
     upstream = {"messages": ASK, "max_tokens": 64, "stop": ["\n"], "temperature": 1.0, "n": 3,
                 "response_format": {"type": "text"}}
     opened = with_opening(upstream, hermes.forced_prefix("add"), n=2)
-    assert opened["messages"][-1] == {"role": "assistant", "content": '<tool_call>\n{"name": "add", "arguments": '}
+    assert opened["messages"][-1] == {"role": "assistant", "content": '<tool_call>\n{"name": "add", "arguments":'}
     assert (opened["continue_final_message"], opened["add_generation_prompt"], opened["n"]) == (True, False, 2)
     assert with_opening(upstream, "") is upstream
     choice = name_choice(upstream, hermes.forced_prefix(None), ("weather", "add"))

@@ -327,13 +327,13 @@ def test_tool_choice_required_or_named_starts_the_answer_as_a_call_and_none_offe
         if choice not in ("none", "auto"):
             # the model wrote only the arguments: a call of execute_sql, or text that opens one
             assert (message.get("tool_calls") or [{}])[0].get("function", {}).get("name") == "execute_sql" \
-                or (message["content"] or "").startswith('<tool_call>\n{"name": "execute_sql", "arguments": '), message
+                or (message["content"] or "").startswith('<tool_call>\n{"name": "execute_sql", "arguments":'), message
     gateway.flush()
     prompts = [tokenizer.decode(r["prompt_ids"]) for r in client.query(
         f"SELECT prompt_ids FROM generations WHERE rollout_id = '{rid}' ORDER BY start_ns", db_path).to_dicts()]
     assert len(prompts) == 4
-    assert prompts[0].endswith('<tool_call>\n{"name": "execute_sql", "arguments": ')
-    assert prompts[1].endswith('<tool_call>\n{"name": "execute_sql", "arguments": ')
+    assert prompts[0].endswith('<tool_call>\n{"name": "execute_sql", "arguments":')
+    assert prompts[1].endswith('<tool_call>\n{"name": "execute_sql", "arguments":')
     assert "<tools>" in prompts[0] and "<tools>" in prompts[3] and "<tools>" not in prompts[2]
     assert not prompts[2].rstrip().endswith('"') and not prompts[3].rstrip().endswith('"name": "')
 

@@ -31,7 +31,7 @@ EXAMPLE = REPO / "examples" / "openai_agents_math"
 problems = example_module("openai_agents_math", "problems")
 math_reward = example_module("openai_agents_math", "reward")
 
-FORCED = '<tool_call>\n{"name": "calculate", "arguments": '  # "required" with one tool offered: a call of it
+FORCED = '<tool_call>\n{"name": "calculate", "arguments":'  # "required" with one tool offered: a call of it
 
 
 def test_problems_keep_train_and_test_apart_and_are_reproducible():

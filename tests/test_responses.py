@@ -218,7 +218,7 @@ def test_required_and_cut_answers(serve):
     assert response["status"] == "completed"  # the call was parsed: a length stop inside it does not matter
     # One tool offered: "required" is a call of it, its name forced in the opening.
     assert engine.requests[0]["messages"][-1] == {"role": "assistant",
-                                                  "content": '<tool_call>\n{"name": "calculate", "arguments": '}
+                                                  "content": '<tool_call>\n{"name": "calculate", "arguments":'}
     status, response = respond(gateway, {"input": "12 * 4?", "max_output_tokens": 3})
     assert (response["status"], response["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
     assert response["output"][0]["status"] == "incomplete" and engine.requests[1]["max_tokens"] == 3

@@ -79,7 +79,7 @@ def test_a_forced_call_starts_as_a_past_call_is_rendered_and_parses_when_continu
         TOOLS)[-1]["content"]
     named, any_tool = hermes.forced_prefix("execute_sql"), hermes.forced_prefix(None)
     assert past.startswith(named) and named.startswith(any_tool) and named != any_tool
-    assert named.endswith('"arguments": ') and any_tool.endswith('{"name": "')
+    assert named.endswith('"arguments":') and any_tool.endswith('{"name": "')
     continued = hermes.parse(named + '{"query": "SELECT 2"}}\n</tool_call>', offered=OFFERED)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in continued.tool_calls] == \
         [("execute_sql", {"query": "SELECT 2"})]

@@ -42,10 +42,12 @@ class HermesToolFormat:
 
     def forced_prefix(self, tool_name: str | None) -> str:
         # The same text render_messages gives a past call (json.dumps of {"name", "arguments"}), cut where the
-        # model's own choice starts: after `{"name": "` for any tool, after the name's `"arguments": ` for one.
+        # model's own choice starts: after `{"name": "` for any tool, after the name's `"arguments":` for one.
+        # Never after a space: BPE vocabularies join a space to the word after it (` {`), so a prompt ending in
+        # one leaves the model a token split it never saw in training (it then writes anything but arguments).
         if tool_name is None:
             return '<tool_call>\n{"name": "'
-        return "<tool_call>\n" + json.dumps({"name": tool_name, "arguments": None})[:-len("null}")]
+        return "<tool_call>\n" + json.dumps({"name": tool_name, "arguments": None})[:-len(" null}")]
 
     def parse(self, text: str, offered: Collection[str]) -> ParsedOutput:
         if not offered or self.call_start not in text:

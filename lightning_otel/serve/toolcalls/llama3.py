@@ -49,10 +49,10 @@ class Llama3JsonToolFormat:
 
     def forced_prefix(self, tool_name: str | None) -> str:
         # A past call as Llama's templates render it, `{"name": "<tool>", "parameters": <arguments>}`, cut where
-        # the name (None) or the arguments (a tool named) start.
+        # the name (None) or the arguments (a tool named) start, never after a space (hermes.py says why).
         if tool_name is None:
             return '{"name": "'
-        return json.dumps({"name": tool_name, "parameters": None}, ensure_ascii=False)[:-len("null}")]
+        return json.dumps({"name": tool_name, "parameters": None}, ensure_ascii=False)[:-len(" null}")]
 
     def parse(self, text: str, offered: Collection[str]) -> ParsedOutput:
         if not offered or self.call_start not in text:

@@ -83,7 +83,8 @@ class MistralToolFormat:
             return TOOL_CALLS if tool_name is None else f"{TOOL_CALLS}{tool_name}{ARGS}"
         if tool_name is None:
             return f'{TOOL_CALLS} [{{"name": "'
-        opening = json.dumps({"name": tool_name, "arguments": None}, ensure_ascii=False)[:-len("null}")]
+        # never after a space (hermes.py says why)
+        opening = json.dumps({"name": tool_name, "arguments": None}, ensure_ascii=False)[:-len(" null}")]
         return f"{TOOL_CALLS} [{opening}"
 
     def parse(self, text: str, offered: Collection[str]) -> ParsedOutput:
