@@ -94,7 +94,8 @@ def apo_config(args, task: BenchTask, pool: Path, folder: Path):
     train = write_rows(rows[:args.apo_train], folder / "apo_train.jsonl")
     val = write_rows(rows[args.apo_train:args.apo_train + args.apo_val], folder / "apo_val.jsonl")
     return OptimizeConfig(tasks=str(train), val_tasks=str(val), agent=task.agent, reward=task.train_reward,
-                          output_dir=str(folder / "optimize"), n=1, temperature=0.0, max_tokens=task.max_tokens,
+                          output_dir=str(folder / "optimize"), n=1, temperature=args.apo_temperature,
+                          max_tokens=task.max_tokens,
                           concurrency=args.concurrency, proposer=args.proposer,
                           max_metric_calls=args.max_metric_calls, minibatch=args.minibatch, seed=args.seed,
                           demos_k=args.demos_k, demos_sets=args.demos_sets, demos_min_reward=args.demos_min_reward,
@@ -104,12 +105,16 @@ def apo_config(args, task: BenchTask, pool: Path, folder: Path):
 def run_apo(args, task, pool, test, folder, engine) -> dict:
     from lightning_otel.train.apo.optimizer import optimize
 
-    summary = optimize(apo_config(args, task, pool, folder), engine=engine,
+    config = apo_config(args, task, pool, folder)
+    summary = optimize(config, engine=engine,
                        progress=lambda label, done, total: print(f"\r{label}: {done}/{total}  ", end="", flush=True))
     print()
     prompt = Path(summary.best_prompt) if summary.best_prompt else None
     outcomes = held_out_outcomes(task, test, folder, engine, args.concurrency, prompt)
+    settings = {k: getattr(config, k) for k in ("tasks", "val_tasks", "temperature", "proposer", "max_metric_calls",
+                                                 "minibatch", "demos_k", "demos_sets", "demos_min_reward")}
     return {"rollouts": summary.rollouts, "outcomes": outcomes, "prompt": str(prompt) if prompt else None,
+            "settings": settings,
             "apo": {k: getattr(summary, k) for k in ("seed_val", "best_val", "best_key", "best_from", "changes",
                                                      "candidates", "metric_calls", "reflections")}}
 
@@ -173,7 +178,7 @@ def build_report(args) -> dict:
     result["task"], result["args"] = task.name, {k: str(v) for k, v in vars(args).items()}
     for name in ("apo", "apo_grpo"):
         if name in arms:
-            result["arms"][name].update({k: arms[name][k] for k in ("apo", "prompt") if k in arms[name]})
+            result["arms"][name].update({k: arms[name][k] for k in ("apo", "prompt", "settings") if k in arms[name]})
     (args.out / "report.json").write_text(json.dumps(result, indent=1))
     (args.out / "report.md").write_text(table(result) + "\n")
     return result
@@ -191,6 +196,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--apo-train", type=int, default=6, help="train-pool tasks the reflection and demos learn from")
     p.add_argument("--apo-val", type=int, default=6, help="train-pool tasks candidates are compared on")
     p.add_argument("--proposer", default="both", choices=("reflection", "demos", "both"))
+    p.add_argument("--apo-temperature", type=float, default=0.0,
+                   help="APO's rollouts (0: greedy candidate scores; above 0: sampled train calls to draw "
+                        "demonstrations from, and noisier scores)")
     p.add_argument("--max-metric-calls", type=int, default=14)
     p.add_argument("--minibatch", type=int, default=3)
     p.add_argument("--demos-k", type=int, default=2)

@@ -1,7 +1,8 @@
 """The two tasks apo_vs_grpo compares prompt optimisation and GRPO on: where their tasks come from, the agent,
 the reward each learner is given and the one held-out accuracy is scored with.
 
-    math    the OpenAI Agents SDK calculator agent (examples/openai_agents_math), the train and test splits of
+    math    the OpenAI Agents SDK calculator agent (examples/openai_agents_math, on the SDK's Chat Completions
+            provider as in its recorded GRPO run: math_chat_agent.py), the train and test splits of
             problems.py (disjoint templates and numbers), trained on reward.py:shaped, scored by number_match;
             the same settings as benchmarks.learning.math_agent (whose recorded GRPO run is the reference).
     spider  the plain-OpenAI SQL agent (examples/openai_sql), GRPO questions of the training dev databases and
@@ -41,7 +42,9 @@ class BenchTask:
 
 MATH_EXAMPLE = REPO / "examples" / "openai_agents_math"
 TASKS = {
-    "math": BenchTask("math", f"{MATH_EXAMPLE / 'agent.py'}:run", f"{MATH_EXAMPLE / 'reward.py'}:shaped",
+    # the example's agent on the Chat Completions provider, as in the recorded GRPO run (math_chat_agent.py)
+    "math": BenchTask("math", f"{Path(__file__).parent / 'math_chat_agent.py'}:run",
+                      f"{MATH_EXAMPLE / 'reward.py'}:shaped",
                       "number_match", 48, "hermes"),
     "spider": BenchTask("spider", f"{REPO / 'examples' / 'openai_sql' / 'agent.py'}:run", "spider_exec",
                         "spider_exec", 128, "hermes"),
