@@ -9,7 +9,8 @@ Arms, all from the bundled model on one shared engine, all scored greedily on th
   apo       `lightning-otel optimize` (train/apo) on train-pool tasks only: reflection with the served policy as
             the reflection model, then demonstrations (the agent's own train calls that earned at least
             --demos-min-reward; tool-call answers included, written in the task's tool syntax); the best
-            prompt patch is then applied to the agent on the held-out tasks;
+            prompt patch is then applied to the agent on the held-out tasks (when no candidate beat the agent's own
+            prompt, the held-out tasks are scored again with it: the drift of greedy decoding between two runs);
   grpo      GRPO from the base model (benchmarks.learning.math_agent's settings); the held-out tasks are its
             validation set, and its last validation is its score;
   apo_grpo  the same GRPO, started from the apo arm's prompt patch (train's `prompt`).
