@@ -125,3 +125,36 @@ print(changed["__file__"] == {str(example)!r}, changed["INSTRUCTIONS"] == {instr
       set(changed) == set(vars(unchanged)))"""], capture_output=True, text=True, cwd=tmp_path)
     assert probe.stdout.split() == ["True", "True", "required", "True", "True"], probe.stderr[-2000:]
     assert Path(path).parent == tmp_path and function == "run"
+
+
+def test_apo_vs_grpo_report_pairs_each_arm_with_base_and_judges_the_goal_from_the_arm_folders(tmp_path):
+    from benchmarks.learning.arm_report import goal, paired, report
+
+    ids = [f"t{i}" for i in range(10)]
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "test.jsonl").write_text("".join(json.dumps({"id": i, "question": "?"}) + "\n" for i in ids))
+    arms = {"base": ({i: float(i == "t0") for i in ids}, 0),                    # 1/10
+            "apo": ({i: float(i in ("t0", "t1", "t2")) for i in ids}, 40),      # 3/10: +2 / -0
+            "grpo": ({i: float(i in ("t1", "t2", "t3", "t4", "t5")) for i in ids}, 512)}  # 5/10: +5 / -1
+    for name, (outcomes, rollouts) in arms.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "arm.json").write_text(json.dumps({"outcomes": outcomes, "rollouts": rollouts,
+                                                              "wall_seconds": 60.0, "cpu_seconds": 120.0}))
+    done = run_module("benchmarks.learning.apo_vs_grpo", "--out", str(tmp_path), "--report-only", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "report.json").read_text())
+    assert result["arms"]["apo"]["vs_base"] == {"tasks": 10, "gained": 2, "lost": 0, "p": 0.5}
+    assert result["arms"]["grpo"]["vs_base"] == {"tasks": 10, "gained": 5, "lost": 1, "p": 0.21875}
+    assert result["apo_vs_grpo"] == {"tasks": 10, "gained": 1, "lost": 3, "p": 0.625}
+    # APO gains 2 points of GRPO's 4 (half) with 40 of 512 rollouts (under a tenth): the goal holds
+    assert result["goal"]["holds"] and result["goal"]["apo_share_of_gain"] == 0.5
+    assert "| apo | 3/10 | 30.0% | +20.0 pts (+2 / -0, p = 0.5) | 40 | 2.0 | 1.0 |" in \
+        (tmp_path / "report.md").read_text()
+    assert not goal(0.2, 0.4, 52, 512)["holds"] and not goal(0.1, 0.4, 40, 512)["holds"]
+    assert paired({"a": 1.0}, {"b": 0.0})["tasks"] == 0
+    # a recorded arm without per-task outcomes: its own base, no paired test, and held-out tasks must be complete
+    recorded = report({"base": {"outcomes": {i: 0.0 for i in ids}, "rollouts": 0},
+                       "grpo": {"right": 3, "base_right": 1, "rollouts": 512}}, ids)
+    assert recorded["arms"]["grpo"]["gain"] == 0.2 and "vs_base" not in recorded["arms"]["grpo"]
+    with pytest.raises(ValueError, match="no held-out outcome"):
+        report({"base": {"outcomes": {"t0": 1.0}, "rollouts": 0}}, ids)

@@ -25,6 +25,7 @@ import pytest
 
 from lightning_otel.cli import main
 from lightning_otel.errors import UserError
+from lightning_otel.serve.toolcalls import tool_format
 from lightning_otel.serve.prompts import PATCH_ID_ATTRIBUTE, VERSION_ATTRIBUTE, fingerprint, load_patches, parse_patches
 from lightning_otel.train.apo.candidates import (BASE, Component, candidate_key, candidate_patch, components_from_rows,
                                                  with_demos)
@@ -144,6 +145,13 @@ def test_demonstrations_come_from_full_reward_opening_calls_and_sets_are_drawn_r
     sets = demo_sets(pool, 1, 5, seed=0)
     assert len(sets) == 2 and sets == demo_sets(pool, 1, 5, seed=0)  # only two different sets of one exist
     assert demo_sets({"answer": []}, 2, 3, 0) == []
+    # with a tool syntax, a call answered with a tool call is a demonstration too, the call written in that syntax
+    tool_call = {**call("r3", "q3", ""), "output_messages": json.dumps([{"role": "assistant", "parts": [
+        {"type": "tool_call", "name": "calculate", "arguments": '{"expression": "3 * 4"}'}]}])}
+    pool = demo_pool([tool_call], {"r3": 1.0}, [component], 1.0, tool_format("hermes"))
+    assert pool == {"answer": [{"user": "q3", "assistant": '<tool_call>\n{"name": "calculate", "arguments": '
+                                                            '{"expression": "3 * 4"}}\n</tool_call>'}]}
+    assert demo_pool([tool_call], {"r3": 1.0}, [component], 1.0) == {"answer": []}
 
 
 # ---- resuming, over a stand-in for the rollouts -----------------------------------------------------------

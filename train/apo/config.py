@@ -75,6 +75,8 @@ class OptimizeConfig:
     demos_k: int = 2                  # demonstrations per set
     demos_sets: int = 4               # sets tried on the validation split
     demos_min_reward: float = 1.0     # a call is a demonstration when its rollout earned at least this
+    demos_tool_calls: str = ""        # a tool syntax (hermes, llama3_json, ...): calls answered with a tool call
+                                      # become demonstrations too, the call written in it (empty: text answers only)
 
     def __post_init__(self) -> None:
         checks = [
@@ -98,6 +100,9 @@ class OptimizeConfig:
             (not self.reflection_model or self.reflection_url,
              f"reflection_model = {self.reflection_model!r} needs reflection_url (the endpoint that serves it); "
              f"without reflection_url the served policy reflects"),
+            (not self.demos_tool_calls or self.demos_tool_calls in FORMATS,
+             f"demos_tool_calls = {self.demos_tool_calls!r}: choose one of {', '.join(FORMATS)} (the syntax the "
+             f"model is shown past calls in; hermes for the bundled model), or leave it empty"),
             (not self.tool_format or self.tool_format in FORMATS,
              f"tool_format = {self.tool_format!r}: choose one of {', '.join(FORMATS)}"),
             (not self.base_url or self.base_url.startswith(("http://", "https://")),

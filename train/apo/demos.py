@@ -4,7 +4,8 @@ strong model.
 1. The starting candidate (the seed, or the reflection's best) runs on every train task (read back where it did).
 2. The pool, per component: the calls of train-split rollouts (of any candidate so far) that earned at least
    `demos_min_reward`, that sent the component's system message, opened their conversation (one user message
-   after the system message) and answered in text. Each gives a pair (user message, answer); one per user text.
+   after the system message) and answered in text, or (with `demos_tool_calls`, a tool syntax) with tool calls,
+   written as that syntax's text. Each gives a pair (user message, answer); one per user text.
 3. Up to `demos_sets` different sets of `demos_k` pairs, drawn with `seed`, each added as `demos` to one component
    of the starting candidate, are evaluated on the validation split like every candidate; the best set is kept
    when it beats the starting candidate there.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from lightning_otel.rollouts.runner import Task
+from lightning_otel.serve.toolcalls import ToolFormat
 from lightning_otel.serve.prompts import fingerprint
 from lightning_otel.train.apo.adapter import answer_text, conversation, message_text, stored_messages
 from lightning_otel.train.apo.candidates import Component, with_demos
@@ -40,20 +42,30 @@ class DemosOutcome:
     pool: dict[str, int]        # demonstrations available per component
 
 
-def demo_pair(call: dict) -> dict | None:
-    """(user, assistant) of a call that opened its conversation with one user message and answered in text."""
+def demo_pair(call: dict, syntax: ToolFormat | None = None) -> dict | None:
+    """(user, assistant) of a call that opened its conversation with one user message and answered in text, or
+    with tool calls when `syntax` is given (the answer is then its text and the calls in that syntax)."""
     opening = conversation(call["input_messages"])
     if len(opening) != 1 or opening[0].get("role") != "user":
         return None
     answers = stored_messages(call["output_messages"])
-    if any(isinstance(p, dict) and p.get("type") == "tool_call" for m in answers for p in (m.get("parts") or [])):
-        return None
-    user, assistant = message_text(opening[0]).strip(), answer_text(call["output_messages"]).strip()
+    calls = [p for m in answers for p in (m.get("parts") or []) if isinstance(p, dict) and p.get("type") == "tool_call"]
+    user = message_text(opening[0]).strip()
+    if calls:
+        if syntax is None:
+            return None
+        text = "\n".join(str(p.get("content") or "") for m in answers for p in (m.get("parts") or [])
+                         if isinstance(p, dict) and p.get("type") == "text").strip()
+        message = {"role": "assistant", "content": text, "tool_calls": [
+            {"type": "function", "function": {"name": p.get("name"), "arguments": p.get("arguments")}} for p in calls]}
+        assistant = syntax.render_messages([message], None)[0]["content"].strip()
+    else:
+        assistant = answer_text(call["output_messages"]).strip()
     return {"user": user, "assistant": assistant} if user and assistant else None
 
 
 def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: list[Component],
-              min_reward: float) -> dict[str, list[dict]]:
+              min_reward: float, syntax: ToolFormat | None = None) -> dict[str, list[dict]]:
     """Per component, the demonstrations the high-reward calls give (module docstring, step 2); `calls` in order
     (read_calls), `rewards` by rollout id."""
     pool: dict[str, list[dict]] = {c.name: [] for c in components}
@@ -64,7 +76,7 @@ def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: l
         if reward is None or reward < min_reward or call["system"] is None:
             continue
         name = by_print.get(fingerprint(call["system"]))
-        pair = demo_pair(call) if name else None
+        pair = demo_pair(call, syntax) if name else None
         if pair is None or (name, pair["user"]) in seen:
             continue
         seen.add((name, pair["user"]))
@@ -94,8 +106,9 @@ def demo_sets(pool: dict[str, list[dict]], k: int, count: int, seed: int) -> lis
 
 class DemosProposer:
     def __init__(self, evaluator: Evaluator, calls_of: Callable[[list[str]], list[dict]], state_path: Path,
-                 k: int, sets: int, min_reward: float, seed: int):
+                 k: int, sets: int, min_reward: float, seed: int, syntax: ToolFormat | None = None):
         self.evaluator, self.calls_of, self.state_path = evaluator, calls_of, Path(state_path)
+        self.syntax = syntax
         self.k, self.sets, self.min_reward, self.seed = k, sets, min_reward, seed
 
     def _state(self) -> dict:
@@ -113,7 +126,8 @@ class DemosProposer:
         rewards = {rollout_id: result.rewards[i] if i < len(result.rewards) else None
                    for (_, task_id), result in sorted(self.evaluator.log.results.items()) if task_id in train_ids
                    for i, rollout_id in enumerate(result.rollout_ids)}
-        return demo_pool(self.calls_of(sorted(rewards)), rewards, self.evaluator.components, self.min_reward)
+        return demo_pool(self.calls_of(sorted(rewards)), rewards, self.evaluator.components, self.min_reward,
+                         self.syntax)
 
     def run(self, start: dict[str, str], train: list[Task], val: list[Task]) -> DemosOutcome:
         start_key = self.evaluator.key(start)

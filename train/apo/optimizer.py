@@ -32,6 +32,7 @@ from typing import Callable
 from lightning_otel.errors import UserError
 from lightning_otel.rollouts.runner import Task, load_tasks
 from lightning_otel.serve.engine import PolicyEngine
+from lightning_otel.serve.toolcalls import tool_format
 from lightning_otel.train.apo.adapter import GatewayAdapter
 from lightning_otel.train.apo.candidates import BASE, Component, candidate_patch, changes, seed_candidate
 from lightning_otel.train.apo.config import OptimizeConfig, check_resume
@@ -159,8 +160,9 @@ class Optimizer:
             if self.evaluator.key(found) != BASE:
                 best, best_from = found, "reflection"
         if c.uses_demos:
+            syntax = tool_format(c.demos_tool_calls) if c.demos_tool_calls else None
             outcome = DemosProposer(self.evaluator, self.calls_of, self.folder / "demos.json", c.demos_k,
-                                    c.demos_sets, c.demos_min_reward, c.seed).run(best, self.train, self.val)
+                                    c.demos_sets, c.demos_min_reward, c.seed, syntax).run(best, self.train, self.val)
             if self.evaluator.key(outcome.candidate) != self.evaluator.key(best):
                 best, best_from = outcome.candidate, "demos"
         return self.finish(components, best, best_from, metric_calls, val_ids)
