@@ -134,12 +134,13 @@ def test_the_rollout_gateway_takes_the_format_named_else_the_models_templates(tm
 
     from conftest import FIXTURES
     from lightning_otel.rollouts.runner import RolloutConfig, start_gateway
+    from lightning_otel.serve.gate import SwapGate
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": (FIXTURES / "llama3_tools.jinja").read_text()}))
-    engine = SimpleNamespace(config=SimpleNamespace(model_dir=model))
+    engine = SimpleNamespace(config=SimpleNamespace(model_dir=model), gate=SwapGate())
     collector = SimpleNamespace(url=None, ingest_token=None)
     (tmp_path / "t.jsonl").write_text('{"id": "1"}\n')
     for named, expected in ((None, "llama3_json"), ("mistral", "mistral")):
