@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -29,7 +28,7 @@ from lightning_otel.serve.gateway import GENERATE_SPAN, Gateway, GatewayConfig
 from lightning_otel.train.async_rounds import RoundsAhead, drop_stale_groups, staleness
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.pool import round_tasks
-from test_train import AGENT, BIN, REPO, REWARD, spider_tasks
+from test_train import AGENT, BIN, REPO, REWARD, killed_once, spider_tasks
 
 BOUND_S = 20.0  # far above what any wait here takes
 
@@ -260,16 +259,8 @@ def test_a_k1_run_killed_while_the_next_rounds_rollouts_run_resumes(engine, tmp_
                "max_tokens=16", "lora_rank=8", "max_staleness=1", "tis_cap=2.0",
                f"output_dir={run}", f"engine_url={engine.url}", "seed=3", "concurrency=4"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True)
     # round 3's task file appears when its rollouts start in the background, as round 2 starts training
-    ready = run / "rounds" / "round-0003" / "tasks.jsonl"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and first.poll() is None and not ready.is_file():
-        time.sleep(0.05)
-    assert first.poll() is None, f"the run ended before it could be killed:\n{first.stdout.read().decode()[-3000:]}"
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait(30)
+    killed_once(command, run / "rounds" / "round-0003" / "tasks.jsonl", env)
     killed_at = json.loads((run / "run.json").read_text())
     assert killed_at["rounds_completed"] == 1 and killed_at["policy_version"] == 1
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)

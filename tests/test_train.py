@@ -402,9 +402,10 @@ def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
 
 
 
-def killed_once(command: list[str], ready: Path) -> None:
+def killed_once(command: list[str], ready: Path, env: dict | None = None) -> None:
     """Start `command` and SIGKILL it (its whole process group) as soon as `ready` exists."""
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                           env=env)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and run.poll() is None and not ready.is_file():
         time.sleep(0.05)
