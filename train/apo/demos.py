@@ -29,6 +29,7 @@ from lightning_otel.serve.prompts import fingerprint
 from lightning_otel.train.apo.adapter import answer_text, conversation, message_text, stored_messages
 from lightning_otel.train.apo.candidates import Component, with_demos
 from lightning_otel.train.apo.evaluation import Evaluator
+from lightning_otel.train.transitions.retokenize import assistant_message
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,12 @@ def demo_pair(call: dict, syntax: ToolFormat | None = None) -> dict | None:
     if len(opening) != 1 or opening[0].get("role") != "user":
         return None
     answers = stored_messages(call["output_messages"])
-    calls = [p for m in answers for p in (m.get("parts") or []) if isinstance(p, dict) and p.get("type") == "tool_call"]
+    called = any(isinstance(p, dict) and p.get("type") == "tool_call" for m in answers for p in (m.get("parts") or []))
     user = message_text(opening[0]).strip()
-    if calls:
+    if called:
         if syntax is None:
             return None
-        text = "\n".join(str(p.get("content") or "") for m in answers for p in (m.get("parts") or [])
-                         if isinstance(p, dict) and p.get("type") == "text").strip()
-        message = {"role": "assistant", "content": text, "tool_calls": [
-            {"type": "function", "function": {"name": p.get("name"), "arguments": p.get("arguments")}} for p in calls]}
+        message, _ = assistant_message(call["output_messages"])  # OpenAI-shaped, as the retokenizer renders it
         assistant = syntax.render_messages([message], None)[0]["content"].strip()
     else:
         assistant = answer_text(call["output_messages"]).strip()
