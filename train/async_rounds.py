@@ -44,11 +44,9 @@ FROM trajectory_calls WHERE rollout_id IN ($listed) AND policy_version IS NOT NU
 
 @dataclass
 class Ahead:
-    """A round's rollouts run in the background: their summary, how long they took, and when they ran."""
+    """A round's rollouts run in the background: their summary, and how long they took."""
     summary: Any  # lightning_otel.rollouts.runner.RolloutSummary
     seconds: float
-    started: float  # time.perf_counter() when they began and ended
-    ended: float
 
 
 class RoundsAhead:
@@ -124,8 +122,7 @@ class RoundsAhead:
             started = time.perf_counter()
             try:
                 summary = self._run_round(r, self._stop)
-                outcome: Ahead | BaseException = Ahead(summary, time.perf_counter() - started, started,
-                                                        time.perf_counter())
+                outcome: Ahead | BaseException = Ahead(summary, time.perf_counter() - started)
             except BaseException as exc:  # noqa: BLE001 - raised again in the main thread by take()
                 log.error("the rollouts of round %d, run ahead, failed: %s", r + 1, exc)
                 outcome = exc
