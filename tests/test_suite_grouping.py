@@ -1,0 +1,65 @@
+"""The suite's own scheduling: under pytest-xdist (`make test`, two workers, --dist loadgroup) every test that uses
+the shared engine runs in one worker, so the session starts one vLLM engine, not one per worker. The grouping
+rests on conftest.py's hook and on pytest-xdist renaming node ids, which some pytest releases ignore (9.2 with
+xdist 3.8): there every engine test could land in either worker and each worker started an engine of its own."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+CONFTEST = '''
+import pytest
+from tests.conftest import pytest_collection_modifyitems  # the suite's own hook, as it is
+
+
+@pytest.fixture(scope="session")
+def engine():  # a stand-in: only its name matters to the hook
+    return "engine"
+'''
+
+TESTS = '''
+import json, os, time
+from pathlib import Path
+
+import pytest
+
+LOG = Path(__file__).parent / "workers.jsonl"
+
+
+def record(name):
+    time.sleep(0.2)
+    with LOG.open("a") as f:
+        f.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER")}) + "\\n")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_with_engine(engine, i):
+    record(f"engine-{i}")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_without(i):
+    record(f"plain-{i}")
+'''
+
+
+def test_engine_tests_share_one_xdist_worker(tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_grouped.py").write_text(TESTS)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                             "--dist", "loadgroup", str(tmp_path)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = [json.loads(line) for line in (tmp_path / "workers.jsonl").read_text().splitlines()]
+    assert len(runs) == 12
+    engine_workers = {r["worker"] for r in runs if r["test"].startswith("engine-")}
+    assert len(engine_workers) == 1 and None not in engine_workers, (
+        f"the engine tests ran in workers {sorted(engine_workers)}: pytest-xdist's loadgroup no longer groups them "
+        "(is pytest newer than pyproject.toml's dev extra allows?)")
