@@ -43,43 +43,17 @@ REPO = Path(__file__).resolve().parent.parent
 ENGINE_FIXTURES = {"engine", "tokenizer", "gateway"}
 
 
-def worker_threads(engine_test: bool, workers: int, cores: int) -> int:
-    """Torch's threads in a test under pytest-xdist (`workers` processes on `cores` cores).
-
-    With torch's default (a thread per core) in every worker, the workers' OpenMP threads outnumber the cores
-    and wait on each other (a two-sequence forward pass went from 1 s to 2 min with two workers on two busy
-    cores), so a worker takes its share of the cores. An engine test takes them all: the engine tests run in
-    one worker (--dist loadgroup) and alternate between the engine's generation and the learner's steps, which
-    took 1.75x as long on one thread as on two (the trained-run fixture of tests/test_train.py), while the other
-    worker mostly waits on servers and subprocesses of its own."""
-    if workers <= 1:
-        return cores
-    return cores if engine_test else max(1, cores // workers)
-
-
 def pytest_configure(config):
+    # Under pytest-xdist each worker is a process of its own: with torch's default (a thread per core) in every
+    # worker, the workers' OpenMP threads outnumber the cores and wait on each other (a two-sequence forward pass
+    # went from 1 s to 2 min with two workers on two busy cores). Each worker takes its share of the cores.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:
         try:
             import torch
         except ImportError:  # the floors environment has no torch
             return
-        torch.set_num_threads(worker_threads(False, workers, os.cpu_count() or 1))
-
-
-@pytest.fixture(autouse=True)
-def _torch_threads(request):
-    """Each test under pytest-xdist runs with worker_threads' count, and leaves the worker's as it was."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-    torch = sys.modules.get("torch")
-    if workers <= 1 or torch is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(worker_threads(request.node.get_closest_marker("needs_engine") is not None, workers,
-                                         os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(before)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here

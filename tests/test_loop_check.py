@@ -149,10 +149,13 @@ def test_grpo_raises_the_reward_it_is_given_and_the_inverted_control_lowers_it(e
         assert [p["round"] for p in points] == list(range(1, rounds + 1))
         # Before each round's first update the learner is the policy that sampled. (A round whose groups all
         # scored alike trains nothing and has no first micro-batch: the policy may converge within 5 rounds.)
+        # The engine samples in bf16 and the learner scores in fp32: one token's log-probabilities differ by up to
+        # about 0.2, past the clip range's log(1.2) = 0.18, so a rare token is clipped. Late rounds' answers are
+        # short (a first micro-batch of 19 tokens once, one of them clipped: 0.053), hence 0.1, not 0.05.
         trained = [p for p in points if p["first_ratio_mean"] is not None]
         assert len(trained) >= 3, detail
         for p in trained:
-            assert abs(p["first_ratio_mean"] - 1.0) < 0.05 and p["first_clip_fraction"] < 0.05, detail
+            assert abs(p["first_ratio_mean"] - 1.0) < 0.05 and p["first_clip_fraction"] < 0.1, detail
     for arm in curves:  # the agent function ran in one worker process (one SDK) for the whole run
         sdks = client.query("SELECT count(DISTINCT json_extract_string(resource, '$.\"service.instance.id\"')) AS n, "
                             "count(*) AS calls FROM spans WHERE name = 'openai.chat'", tmp_path / arm / "traces.duckdb")
