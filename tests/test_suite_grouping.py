@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 CONFTEST = '''
@@ -48,6 +50,7 @@ def test_without(i):
 '''
 
 
+@pytest.mark.heavy  # 7 s alone (two xdist workers start), 18 s in the suite
 def test_engine_tests_share_one_xdist_worker(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "conftest.py").write_text(CONFTEST)
