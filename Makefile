@@ -97,10 +97,10 @@ PREPARE_JOBS ?= 4
 prepare:
 	$(MAKE) -j$(PREPARE_JOBS) --output-sync=target setup engine crewai phoenix browser floors
 
+# The suite includes `make test-floors` and `make test-asan` as its two last tests
+# (tests/test_floors_and_sanitizer.py): in two workers they run beside the engine tests, not after them.
 test: prepare
 	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) $(PYTEST_ARGS)
-	$(MAKE) test-floors
-	$(MAKE) test-asan
 
 # The contributors' loop: every test that neither starts the inference engine nor is heavy, in minutes. The
 # engine's Python is a stub that fails, so a test that starts vLLM without the needs_engine mark fails here.

@@ -67,6 +67,10 @@ def pytest_collection_modifyitems(config, items):
             # Under pytest-xdist (`make test`: two workers, --dist loadgroup) every engine test runs in one
             # worker, so the session's one shared engine starts once; the other worker takes the rest.
             item.add_marker(pytest.mark.xdist_group("engine"))
+    # The floors and sanitizer runs (test_floors_and_sanitizer.py) last: in one process after everything else, as
+    # `make test` ran them before they joined the suite; under pytest-xdist the worker without the engine tests
+    # takes them when done with the rest, while the engine tests still run in the other.
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("runs_last") is not None)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

@@ -1,5 +1,6 @@
 """The suite's own scheduling: under pytest-xdist (`make test`, two workers, --dist loadgroup) every test that uses
-the shared engine runs in one worker, so the session starts one vLLM engine, not one per worker. The grouping
+the shared engine runs in one worker, so the session starts one vLLM engine, not one per worker, and the tests
+marked runs_last (the floors and sanitizer runs) run in the other worker beside them. The grouping
 rests on conftest.py's hook and on pytest-xdist renaming node ids, which some pytest releases ignore (9.2 with
 xdist 3.8): there every engine test could land in either worker and each worker started an engine of its own."""
 from __future__ import annotations
@@ -33,26 +34,31 @@ import pytest
 LOG = Path(__file__).parent / "workers.jsonl"
 
 
-def record(name):
-    time.sleep(0.2)
+def record(name, seconds):
+    time.sleep(seconds)
     with LOG.open("a") as f:
         f.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER")}) + "\\n")
 
 
 @pytest.mark.parametrize("i", range(6))
 def test_with_engine(engine, i):
-    record(f"engine-{i}")
+    record(f"engine-{i}", 0.5)
+
+
+@pytest.mark.runs_last
+def test_floors_stand_in():
+    record("last", 0.05)
 
 
 @pytest.mark.parametrize("i", range(6))
 def test_without(i):
-    record(f"plain-{i}")
+    record(f"plain-{i}", 0.05)
 '''
 
 
 @pytest.mark.heavy  # 7 s alone (two xdist workers start), 18 s in the suite
 def test_engine_tests_share_one_xdist_worker(tmp_path):
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    runs_last: last in the collection\n")
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_grouped.py").write_text(TESTS)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -61,8 +67,15 @@ def test_engine_tests_share_one_xdist_worker(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     runs = [json.loads(line) for line in (tmp_path / "workers.jsonl").read_text().splitlines()]
-    assert len(runs) == 12
+    assert len(runs) == 13
     engine_workers = {r["worker"] for r in runs if r["test"].startswith("engine-")}
     assert len(engine_workers) == 1 and None not in engine_workers, (
         f"the engine tests ran in workers {sorted(engine_workers)}: pytest-xdist's loadgroup no longer groups them "
         "(is pytest newer than pyproject.toml's dev extra allows?)")
+    # The runs_last test (a stand-in for the floors and sanitizer runs) ran after the other tests without the
+    # engine, in their worker, beside the engine tests and not after them: those take 3 s, the rest under 1 s.
+    order = [r["test"] for r in runs]
+    (last,) = [r for r in runs if r["test"] == "last"]
+    assert last["worker"] not in engine_workers, runs
+    assert max(order.index(f"plain-{i}") for i in range(6)) < order.index("last"), order
+    assert order.index("last") < max(i for i, name in enumerate(order) if name.startswith("engine-")), order
