@@ -1,14 +1,17 @@
 """The benchmark scripts' own logic, what they do beyond the package (tests/ tests the package and imports no
 benchmark): plain_sft's prompts are the LangGraph agent's calls and it saves a model folder the agent run starts
 from; spider_agent refuses what it cannot run; the Spider task-file writers run; math_difficulty's probe changes
-only the agent's instructions.
+only the agent's instructions; the AVX2 emulation (benchmarks/avx2/emulate.sh) hides what it says it hides.
 pytest collects this file with tests/ (testpaths in pyproject.toml)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sqlite3
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -158,3 +161,35 @@ def test_apo_vs_grpo_report_pairs_each_arm_with_base_and_judges_the_goal_from_th
     assert recorded["arms"]["grpo"]["gain"] == 0.2 and "vs_base" not in recorded["arms"]["grpo"]
     with pytest.raises(ValueError, match="no held-out outcome"):
         report({"base": {"outcomes": {"t0": 1.0}, "rollouts": 0}}, ids)
+
+
+def _private_mounts() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--mount", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _private_mounts(), reason="needs a private mount namespace (root and unshare --mount)")
+def test_the_avx2_emulation_hides_avx512_and_bf16_from_torch_vllms_kernel_choice_and_the_engine(tmp_path):
+    # A venv of its own that sees this one's packages, so that emulate.sh's .pth file lands in no venv the rest
+    # of the suite is using.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    check = ("import json, torch, torch.cpu; from lightning_otel.serve.engine import auto_dtype, native_bf16; "
+             "print(json.dumps({'capability': torch.backends.cpu.get_cpu_capability(), "
+             "'avx512': torch.cpu._is_avx512_supported(), 'avx512_bf16': torch.cpu._is_avx512_bf16_supported(), "
+             "'native_bf16': native_bf16(), 'engine dtype': auto_dtype(), "
+             "'cpuinfo avx512': 'avx512' in open('/proc/cpuinfo').read()}))")
+    result = subprocess.run([str(REPO / "benchmarks" / "avx2" / "emulate.sh"), str(python), "-c", check],
+                            capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env={**os.environ, "EMULATE_VENVS": str(venv)})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "capability": "AVX2", "avx512": False, "avx512_bf16": False, "native_bf16": False,
+        "engine dtype": "float32", "cpuinfo avx512": False}
+    assert not list(site.glob("avx2_only*"))  # removed when the command ended
+    assert "avx2_only" not in subprocess.run([str(python), "-c", "import sys; print(sys.modules)"],
+                                             capture_output=True, text=True, check=True).stdout
