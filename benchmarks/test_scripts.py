@@ -190,6 +190,11 @@ def test_the_avx2_emulation_hides_avx512_and_bf16_from_torch_vllms_kernel_choice
     assert json.loads(result.stdout.splitlines()[-1]) == {
         "capability": "AVX2", "avx512": False, "avx512_bf16": False, "native_bf16": False,
         "engine dtype": "float32", "cpuinfo avx512": False}
+    # patched when torch is imported, not at start: a process that never imports torch starts as it would
+    light = subprocess.run([str(REPO / "benchmarks" / "avx2" / "emulate.sh"), str(python), "-c",
+                            "import sys, lightning_otel; print('torch' in sys.modules)"], capture_output=True,
+                           text=True, timeout=300, cwd=REPO, env={**os.environ, "EMULATE_VENVS": str(venv)})
+    assert light.stdout.strip() == "False", light.stdout[-2000:] + light.stderr[-2000:]
     assert not list(site.glob("avx2_only*"))  # removed when the command ended
     assert "avx2_only" not in subprocess.run([str(python), "-c", "import sys; print(sys.modules)"],
                                              capture_output=True, text=True, check=True).stdout
