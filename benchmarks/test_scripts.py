@@ -11,10 +11,11 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.wheel import venv_seeing_these_packages
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,28 +173,26 @@ def _private_mounts() -> bool:
 def test_the_avx2_emulation_hides_avx512_and_bf16_from_torch_vllms_kernel_choice_and_the_engine(tmp_path):
     # A venv of its own that sees this one's packages, so that emulate.sh's .pth file lands in no venv the rest
     # of the suite is using.
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    venv, site = venv_seeing_these_packages(tmp_path / "venv", "--without-pip")
     python = venv / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    def emulated(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(REPO / "benchmarks" / "avx2" / "emulate.sh"), str(python), "-c", code],
+                              capture_output=True, text=True, timeout=300, cwd=REPO,
+                              env={**os.environ, "EMULATE_VENVS": str(venv)})
+
     check = ("import json, torch, torch.cpu; from lightning_otel.serve.engine import auto_dtype, native_bf16; "
              "print(json.dumps({'capability': torch.backends.cpu.get_cpu_capability(), "
              "'avx512': torch.cpu._is_avx512_supported(), 'avx512_bf16': torch.cpu._is_avx512_bf16_supported(), "
              "'native_bf16': native_bf16(), 'engine dtype': auto_dtype(), "
              "'cpuinfo avx512': 'avx512' in open('/proc/cpuinfo').read()}))")
-    result = subprocess.run([str(REPO / "benchmarks" / "avx2" / "emulate.sh"), str(python), "-c", check],
-                            capture_output=True, text=True, timeout=300, cwd=REPO,
-                            env={**os.environ, "EMULATE_VENVS": str(venv)})
+    result = emulated(check)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert json.loads(result.stdout.splitlines()[-1]) == {
         "capability": "AVX2", "avx512": False, "avx512_bf16": False, "native_bf16": False,
         "engine dtype": "float32", "cpuinfo avx512": False}
     # patched when torch is imported, not at start: a process that never imports torch starts as it would
-    light = subprocess.run([str(REPO / "benchmarks" / "avx2" / "emulate.sh"), str(python), "-c",
-                            "import sys, lightning_otel; print('torch' in sys.modules)"], capture_output=True,
-                           text=True, timeout=300, cwd=REPO, env={**os.environ, "EMULATE_VENVS": str(venv)})
+    light = emulated("import sys, lightning_otel; print('torch' in sys.modules)")
     assert light.stdout.strip() == "False", light.stdout[-2000:] + light.stderr[-2000:]
     assert not list(site.glob("avx2_only*"))  # removed when the command ended
     assert "avx2_only" not in subprocess.run([str(python), "-c", "import sys; print(sys.modules)"],

@@ -26,6 +26,17 @@ def source_copy(folder: Path) -> Path:
     return folder
 
 
+def venv_seeing_these_packages(venv: Path, *venv_args: str) -> tuple[Path, Path]:
+    """A fresh venv whose Python also sees this environment's packages (a path entry: nothing is installed or
+    downloaded). Returns the venv and its own site-packages folder."""
+    subprocess.run([sys.executable, "-m", "venv", *venv_args, str(venv)], check=True, timeout=300)
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return venv, site
+
+
 def installed_from_wheel(folder: Path) -> Path:
     """A fresh venv holding lightning-otel as a built wheel (not the clone). Its dependencies are this
     environment's (a path entry, so nothing is downloaded); its console scripts are its own."""
@@ -33,12 +44,8 @@ def installed_from_wheel(folder: Path) -> Path:
     subprocess.run(["make", "-C", str(source), "dist", f"PY={sys.executable}"], check=True, capture_output=True,
                    timeout=600)
     (wheel,) = (source / "dist").glob("lightning_otel-*.whl")
-    venv = folder / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    venv, _ = venv_seeing_these_packages(folder / "venv")
     python = venv / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     import opentelemetry.instrumentation.version as instrumentation
     # --ignore-installed: the dependencies' copy is visible through the path entry, but its console script
     # (opentelemetry-instrument, which starts every agent) must be this venv's own.
