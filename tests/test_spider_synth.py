@@ -67,7 +67,8 @@ def test_the_sft_set_takes_the_dev_databases_first_and_spreads_a_cut_evenly(tmp_
     trainable = [r for r in dev if r["db_id"] not in HELD_OUT]
     for name, count, expected in [("all", None, trainable + train),
                                   ("cut", 42, trainable[::10][:42]),  # every 10th of the 420 dev questions
-                                  ("more", len(trainable) + 5, trainable + train[::210][:5])]:
+                                  ("more", len(trainable) + 5, trainable + train[::210][:5]),
+                                  ("none", 0, [])]:  # no SFT set (apo_vs_grpo's Spider task)
         files = split(tmp_path / name, 132, 8, count)
         assert read_rows(files["sft"]) == expected, name
         held = read_rows(files["eval"])

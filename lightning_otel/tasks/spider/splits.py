@@ -34,6 +34,8 @@ def _sft_rows(trainable: list[dict], train_rows: list[dict], sft_count: int | No
     scholar, restaurants...: older datasets, mostly hard / extra), each spread evenly when cut."""
     if sft_count is None:
         return trainable + train_rows
+    if sft_count <= 0:
+        return []
     if sft_count <= len(trainable):
         return trainable[::max(1, len(trainable) // sft_count)][:sft_count]
     rest = sft_count - len(trainable)
