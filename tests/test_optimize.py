@@ -28,7 +28,7 @@ from lightning_otel.errors import UserError
 from lightning_otel.serve.toolcalls import tool_format
 from lightning_otel.serve.prompts import PATCH_ID_ATTRIBUTE, VERSION_ATTRIBUTE, fingerprint, load_patches, parse_patches
 from lightning_otel.train.apo.candidates import (BASE, Component, candidate_key, candidate_patch, components_from_rows,
-                                                 with_demos)
+                                                 component_of, seed_candidate, with_demos)
 from lightning_otel.train.apo.config import OptimizeConfig, load_optimize_config
 from lightning_otel.train.apo.demos import demo_pool, demo_sets
 from lightning_otel.train.apo.evaluation import TaskResult
@@ -152,6 +152,49 @@ def test_demonstrations_come_from_full_reward_opening_calls_and_sets_are_drawn_r
     assert pool == {"answer": [{"user": "q3", "assistant": '<tool_call>\n{"name": "calculate", "arguments": '
                                                             '{"expression": "3 * 4"}}\n</tool_call>'}]}
     assert demo_pool([tool_call], {"r3": 1.0}, [component], 1.0) == {"answer": []}
+
+
+SQL_LEAD = "You write SQLite queries.\nAnswer with one SQL query and nothing else.\nThe database has these tables:"
+
+
+def schema_text(table: str) -> str:
+    return f"{SQL_LEAD}\nCREATE TABLE {table} (id INTEGER PRIMARY KEY,\n  name TEXT)"
+
+
+def test_texts_of_one_sender_that_share_their_first_line_make_one_component_patched_by_their_shared_lines():
+    # The plain-SDK SQL agent: its instruction, then the task's schema, so one text per database.
+    def row(agent, text, calls=1):
+        return {"agent": agent, "system_instructions": json.dumps([{"type": "text", "content": text}]),
+                "first_message": None, "calls": calls}
+    rows = [row(None, schema_text("singer"), 2), row(None, schema_text("pets"), 3), row(None, "Bare.", 1),
+            row("writer", "Write SQL.\nFor db one."), row("writer", "Write SQL.\nFor db two.")]  # too short a lead
+    components = {c.name: c for c in components_from_rows(rows)}
+    lead = components[f"system-{fingerprint(SQL_LEAD)[:8]}"]
+    assert lead.prefix and lead.system == SQL_LEAD and lead.calls == 5 and lead.agents == ()
+    assert sum(c.name.startswith("writer@") for c in components.values()) == 2
+    unseen = schema_text("concert")  # a database no seed rollout asked about
+    assert lead.matches(unseen) and not lead.matches("You write SQLite queries.") and not lead.matches(None)
+    exact = Component("singer-only", schema_text("singer"), ())
+    assert component_of([lead, exact], schema_text("singer")) is exact  # an exact text first, as at the gateway
+    assert component_of([lead, exact], unseen) is lead and component_of([exact], unseen) is None
+    # its candidate's patch targets the shared lines: on any database, the instruction changes and the schema stays
+    candidate = with_demos({**seed_candidate([lead]), lead.name: "Write one SQLite query."}, lead.name,
+                           [{"user": "How many pets?", "assistant": "SELECT count(*) FROM pets"}])
+    patches = parse_patches(candidate_patch(candidate, [lead]))
+    body, patch = patches.apply({"messages": [{"role": "system", "content": unseen},
+                                              {"role": "user", "content": "How many concerts?"}]})
+    assert patch.target == {"system_prefix": SQL_LEAD}
+    assert body["messages"][0]["content"] == "Write one SQLite query.\nCREATE TABLE concert (id INTEGER PRIMARY KEY,\n  name TEXT)"
+    assert [m["content"] for m in body["messages"][1:]] == ["How many pets?", "SELECT count(*) FROM pets",
+                                                             "How many concerts?"]
+    # demonstrations come from the calls of every database's text
+    def call(rollout, table, user):
+        return {"rollout_id": rollout, "system": schema_text(table), "output_messages": json.dumps(
+                    [{"role": "assistant", "parts": [{"type": "text", "content": f"SELECT * FROM {table}"}]}]),
+                "input_messages": json.dumps([{"role": "system", "parts": [{"type": "text", "content": schema_text(table)}]},
+                                              {"role": "user", "parts": [{"type": "text", "content": user}]}])}
+    pool = demo_pool([call("r1", "singer", "q1"), call("r2", "pets", "q2")], {"r1": 1.0, "r2": 1.0}, [lead], 1.0)
+    assert [d["user"] for d in pool[lead.name]] == ["q1", "q2"]
 
 
 # ---- resuming, over a stand-in for the rollouts -----------------------------------------------------------

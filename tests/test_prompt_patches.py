@@ -119,6 +119,39 @@ action = {{ append = "Be short." }}
     assert toml.patches == patches.patches
 
 
+SCHEMA_AGENT = "You write SQLite queries. Answer with one SQL query.\nThe database has these tables:\n"
+
+
+def test_a_prefix_target_patches_every_text_that_starts_with_it_and_replace_keeps_each_calls_rest():
+    # The plain-SDK SQL agent's system message is its instruction, then the task's schema: one text per database.
+    instruction = "You write SQLite queries.  Answer with one SQL query."  # whitespace differs from the agent's
+    one, two = SCHEMA_AGENT + "CREATE TABLE singer (id INT)", SCHEMA_AGENT + "CREATE TABLE pets (id INT)"
+    patches = parse_patches({"patches": [{"id": "sql", "version": "4", "target": {"system_prefix": instruction},
+                                          "action": {"replace": "Write one SQLite query in a sql block.",
+                                                     "demos": [DEMO]}}]})
+    for text, schema in ((one, "singer"), (two, "pets")):
+        body, patch = patches.apply(chat(text))
+        assert patch.id == "sql" and patch.record()[VERSION_ATTRIBUTE] == "4"
+        assert body["messages"][0]["content"] == ("Write one SQLite query in a sql block.\nThe database has these "
+                                                  f"tables:\nCREATE TABLE {schema} (id INT)")
+        assert [m["content"] for m in body["messages"][1:3]] == [DEMO["user"], DEMO["assistant"]]
+    for other in ("You write SQLite", "You write Postgres queries. Answer with one SQL query.", None):
+        assert patches.apply(chat(other))[1] is None
+    appended = parse_patches({"patches": [{"id": "a", "version": "1", "target": {"system_prefix": instruction},
+                                           "action": {"append": "Never SELECT *."}}]})
+    assert appended.apply(chat(one))[0]["messages"][0]["content"] == one + "\n\nNever SELECT *."
+    # an exact fingerprint wins over a prefix, whatever their order in the file
+    both = parse_patches({"patches": [{"id": "p", "version": "1", "target": {"system_prefix": instruction},
+                                       "action": {"append": "x"}},
+                                      {"id": "f", "version": "1", "target": {"system_sha256": fingerprint(two)},
+                                       "action": {"append": "y"}}]})
+    assert both.apply(chat(two))[1].id == "f" and both.apply(chat(one))[1].id == "p"
+    # export-prompt writes the instruction a prefix patch makes (the per-task rest is not the agent's to keep)
+    assert prompt_export.patched_prompt(patches.patches[0], patches)["system"] == "Write one SQLite query in a sql block."
+    assert prompt_export.patched_prompt(appended.patches[0], appended)["system"] == instruction + "\n\nNever SELECT *."
+    assert patches.patches[0].target_label == f"system_prefix {' '.join(instruction.split())[:45] + '...'!r}"
+
+
 # ---- bad patch files ------------------------------------------------------------------------------------
 
 GOOD = {"id": "a", "version": "1", "target": {"agent": "generate_query"}, "action": {"append": "x"}}
@@ -146,6 +179,10 @@ AGENTS = {"generate_query": {"system": GENERATE}}
     ({"agents": AGENTS, "patches": []}, "\"patches\" must be a non-empty list"),
     ({"agents": AGENTS, "patch": [GOOD]}, "unknown key(s) 'patch'; the keys are agents, patches"),
     ([GOOD], "the patch file must be an object, not list"),
+    ({"patches": [{**GOOD, "target": {"system_prefix": " \n"}}]}, "'system_prefix' must be a non-empty text"),
+    ({"patches": [{**GOOD, "target": {"system_prefix": "You write"}},
+                  {**GOOD, "id": "b", "target": {"system_prefix": "You  write SQL"}}]},
+     "patches 'a' (system_prefix 'You write') and 'b' (system_prefix 'You write SQL') target the same"),
 ])
 def test_a_bad_patch_file_is_refused_naming_the_file_and_the_mistake(tmp_path, data, needle):
     path = write(tmp_path / "patches.json", data)

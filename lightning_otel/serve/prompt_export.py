@@ -95,6 +95,8 @@ def _base_text(patch: PromptPatch, patches: PromptPatches, stored: list[dict] | 
         known = patches.agents[patch.target["agent"]].system
         if known is not None:
             return known
+    if "system_prefix" in patch.target:  # the instruction every matched text starts with (the rest varies)
+        return patch.target["system_prefix"]
     for row in stored or []:
         if any(f[:FINGERPRINT_CHARS] == row["system_sha256"] for f in patch.fingerprints):
             return row["system"]
@@ -111,7 +113,7 @@ def patched_prompt(patch: PromptPatch, patches: PromptPatches, stored: list[dict
         raise UserError(f"{patches.source}: patch {patch.id!r} extends the system text of {patch.target_label}, "
                         f"which is not known here: add its text as \"system\" under {where}, or give --db with "
                         f"stored traces of its calls")
-    system = action.system(base or "") if action.changes_system else base
+    system = patch.system(base or "") if action.changes_system else base
     demos = [{"user": d.user, "assistant": d.assistant} for d in action.demos]
     messages = ([{"role": "system", "content": system}] if system is not None else []) + action.demo_messages()
     return {"id": patch.id, "version": patch.version, "target": patch.target, "system": system, "demos": demos,

@@ -16,10 +16,13 @@ every run of whitespace made one space and the ends stripped (`fingerprint`, the
 target names the fingerprint (`system_sha256`), or an agent, which the file's `agents` map resolves to
 fingerprints: given as `system_sha256` (one or a list), or as the system text itself (`system`), which also
 gives `export-prompt` the base text an extension extends. `lightning-otel export-prompt --db` writes the map
-from stored traces (prompt_export.py). What this cannot do, said plainly: a call without a system message is
-never patched; an agent whose system message changes per task (a date, a schema inside it) has one fingerprint
-per text, each to be listed; two agents that send the same system message cannot be told apart, so a patch
-that targets one of them by name is refused.
+from stored traces (prompt_export.py). An agent whose system message changes per task (an instruction, then a
+database schema or retrieved documents) is targeted by what every one of its texts starts with:
+`system_prefix`, the instruction's text, matched on the normalised texts; there `replace` replaces that
+leading part and keeps the rest of each call's text. A call that a fingerprint and a prefix both match takes
+the fingerprint's patch (the more exact). What this cannot do, said plainly: a call without a system message is
+never patched; two agents that send the same system message cannot be told apart, so a patch that targets one
+of them by name is refused.
 
 Actions (one patch may combine them): `replace` the system text, or extend it: `prepend` / `append` a text,
 joined to it by a blank line; and `demos`, few-shot demonstrations as user / assistant pairs, inserted after the
@@ -46,7 +49,7 @@ SYSTEM_ROLES = ("system", "developer")
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 FILE_KEYS = ("agents", "patches")
 PATCH_KEYS = ("id", "version", "target", "action", "description")
-TARGET_KEYS = ("agent", "system_sha256")
+TARGET_KEYS = ("agent", "system_sha256", "system_prefix")
 ACTION_KEYS = ("replace", "prepend", "append", "demos")
 AGENT_KEYS = ("system", "system_sha256")
 DEMO_KEYS = ("user", "assistant")
@@ -61,6 +64,21 @@ def normalised(text: str) -> str:
 def fingerprint(text: str, chars: int = FINGERPRINT_CHARS) -> str:
     """The short hex sha256 of a system text, normalised (module docstring)."""
     return hashlib.sha256(normalised(text).encode()).hexdigest()[:chars]
+
+
+def normalised_end(text: str, length: int) -> int:
+    """The index in `text` just past the first `length` characters of normalised(text) (a run of whitespace
+    counts as the one space it becomes; the leading whitespace is skipped)."""
+    i = len(text) - len(text.lstrip())
+    for _ in range(length):
+        if i >= len(text):
+            break
+        if text[i].isspace():
+            while i < len(text) and text[i].isspace():
+                i += 1
+        else:
+            i += 1
+    return i
 
 
 def content_text(content: Any) -> str | None:
@@ -118,18 +136,29 @@ class Action:
 class PromptPatch:
     id: str
     version: str
-    target: dict  # {"agent": name} or {"system_sha256": hex}, as written
+    target: dict  # {"agent": name}, {"system_sha256": hex} or {"system_prefix": text}, as written
     action: Action
     fingerprints: tuple[str, ...]  # the system messages it applies to (hex prefixes of their sha256)
     description: str = ""
+    prefix: str | None = None  # the normalised leading text of the system messages it applies to
 
     def matches(self, digest: str) -> bool:
         return any(digest.startswith(f) for f in self.fingerprints)
 
+    def system(self, base: str) -> str:
+        """The system text this patch makes of `base`: a prefix target's `replace` replaces the leading part."""
+        if self.prefix is not None and self.action.replace is not None:
+            return self.action.replace.rstrip() + base[normalised_end(base, len(self.prefix)):]
+        return self.action.system(base)
+
     @property
     def target_label(self) -> str:
-        return f"agent {self.target['agent']}" if "agent" in self.target else \
-            f"system_sha256 {self.target['system_sha256']}"
+        if "agent" in self.target:
+            return f"agent {self.target['agent']}"
+        if self.prefix is not None:
+            shown = self.prefix if len(self.prefix) <= 48 else self.prefix[:45] + "..."
+            return f"system_prefix {shown!r}"
+        return f"system_sha256 {self.target['system_sha256']}"
 
     def record(self) -> dict[str, str]:
         """The attributes a patched call's token record carries."""
@@ -154,8 +183,12 @@ class PromptPatches:
         text = system_text(messages)
         if text is None:
             return None
-        digest = hashlib.sha256(normalised(text).encode()).hexdigest()
-        return next((p for p in self.patches if p.matches(digest)), None)
+        flat = normalised(text)
+        digest = hashlib.sha256(flat.encode()).hexdigest()
+        exact = next((p for p in self.patches if p.matches(digest)), None)
+        if exact is not None:
+            return exact
+        return next((p for p in self.patches if p.prefix is not None and flat.startswith(p.prefix)), None)
 
     def apply(self, body: dict) -> tuple[dict, PromptPatch | None]:
         """The chat request as the engine should get it, and the patch applied (None: `body` itself, untouched).
@@ -165,7 +198,7 @@ class PromptPatches:
             return body, None
         messages = [copy.copy(m) for m in body["messages"]]
         if patch.action.changes_system:
-            messages[0]["content"] = patch.action.system(system_text(messages) or "")
+            messages[0]["content"] = patch.system(system_text(messages) or "")
         at = 1 + next((i for i, m in enumerate(messages[1:]) if m.get("role") not in SYSTEM_ROLES),
                       len(messages) - 1)
         messages[at:at] = patch.action.demo_messages()
@@ -271,7 +304,8 @@ def _patch(source: str, index: int, value: Any, agents: dict[str, AgentPrompt]) 
     missing = [k for k in ("id", "version", "target", "action") if k not in value]
     if missing:
         raise UserError(f"{where}: missing {', '.join(missing)}; a patch has an id, a version, a target "
-                        f"({{\"agent\": NAME}} or {{\"system_sha256\": HEX}}) and an action")
+                        f"({{\"agent\": NAME}}, {{\"system_sha256\": HEX}} or {{\"system_prefix\": TEXT}}) "
+                        f"and an action")
     patch_id = _text(where, value["id"], "id")
     version = value["version"]
     if isinstance(version, bool) or not isinstance(version, (str, int)) or not str(version).strip():
@@ -279,7 +313,8 @@ def _patch(source: str, index: int, value: Any, agents: dict[str, AgentPrompt]) 
     target = _object(where, value["target"], "\"target\"")
     _unknown(f"{where}: target", target, TARGET_KEYS)
     if len(target) != 1:
-        raise UserError(f"{where}: the target names one of agent (a name in \"agents\") or system_sha256")
+        raise UserError(f"{where}: the target names one of agent (a name in \"agents\"), system_sha256 or "
+                        f"system_prefix")
     if "agent" in target:
         name = _text(where, target["agent"], "agent")
         if name not in agents:
@@ -294,12 +329,16 @@ def _patch(source: str, index: int, value: Any, agents: dict[str, AgentPrompt]) 
                 raise UserError(f"{where}: agents {name!r} and {other!r} send the same system message ({shared[0]}): "
                                 f"the gateway tells calls apart by it, so it cannot patch one and not the other; "
                                 f"target its system_sha256 instead, knowing both agents' calls change")
+    elif "system_prefix" in target:
+        sums = ()
     else:
         sums = (_hex(where, target["system_sha256"]),)
+    prefix = normalised(_text(where, target["system_prefix"], "system_prefix")) if "system_prefix" in target else None
     description = value.get("description", "")
     if not isinstance(description, str):
         raise UserError(f"{where}: description must be a text")
-    return PromptPatch(patch_id, str(version), dict(target), _action(where, value["action"]), sums, description)
+    return PromptPatch(patch_id, str(version), dict(target), _action(where, value["action"]), sums, description,
+                       prefix)
 
 
 def _overlap(a: str, b: str) -> bool:
@@ -321,7 +360,8 @@ def parse_patches(data: Any, source: str = "prompt patches") -> PromptPatches:
         if patch.id in seen:
             raise UserError(f"{source}: two patches have the id {patch.id!r}; give each its own")
         for earlier in seen.values():
-            if any(_overlap(f, g) for f in patch.fingerprints for g in earlier.fingerprints):
+            if any(_overlap(f, g) for f in patch.fingerprints for g in earlier.fingerprints) or (
+                    patch.prefix is not None and earlier.prefix is not None and _overlap(patch.prefix, earlier.prefix)):
                 raise UserError(f"{source}: patches {earlier.id!r} ({earlier.target_label}) and {patch.id!r} "
                                 f"({patch.target_label}) target the same system message; one call takes one patch: "
                                 f"merge their actions into one, or keep each in its own file")
