@@ -21,7 +21,6 @@ from gepa.core.adapter import EvaluationBatch
 
 from lightning_otel.rollouts.runner import Task
 from lightning_otel.serve.prompt_export import recorded_system
-from lightning_otel.serve.prompts import fingerprint
 from lightning_otel.train.apo.candidates import DEMOS, Component
 from lightning_otel.train.apo.evaluation import Evaluator, TaskResult
 
@@ -141,8 +140,7 @@ class GatewayAdapter:
             for trajectory in trajectories:
                 result: TaskResult = trajectory["result"]
                 for index, rollout_id in enumerate(result.rollout_ids):
-                    mine = [c for c in by_rollout.get(rollout_id, [])
-                            if c["system"] is not None and fingerprint(c["system"]) == component.fingerprint]
+                    mine = [c for c in by_rollout.get(rollout_id, []) if component.matches(c["system"])]
                     for call in mine[:CALLS_PER_TASK]:
                         records.append({
                             "Inputs": {"task": cut(json.dumps(trajectory["task"], ensure_ascii=False), 300),

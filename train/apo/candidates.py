@@ -1,7 +1,10 @@
 """Candidates: the texts the optimiser changes, and the prompt patch each candidate is run with.
 
 A component is one system message the agent sends (one agent's instruction; found in the seed rollouts'
-stored calls, `discover_components`). A candidate maps each component's name to a system text, and may add a
+stored calls, `discover_components`). An agent whose system message is an instruction followed by what changes
+per task (a schema, retrieved text) sends several texts with the same first line: they make one component, whose
+text is the whole lines they all start with, and whose patch targets that leading text (`system_prefix`), so a
+candidate reaches the agent's calls on every task, seen or not. A candidate maps each component's name to a system text, and may add a
 set of demonstrations to a component under `<name>::demos` (a JSON list of {"user", "assistant"} pairs):
 
     {"answer": "You answer in one word.", "answer::demos": "[{\"user\": \"...\", \"assistant\": \"...\"}]"}
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,11 +28,12 @@ from pathlib import Path
 
 from lightning_otel.errors import UserError
 from lightning_otel.serve.prompt_export import recorded_system
-from lightning_otel.serve.prompts import fingerprint, parse_patches
+from lightning_otel.serve.prompts import fingerprint, normalised, parse_patches
 
 DEMOS = "::demos"
 BASE = "base"
 PATCH_ID_PREFIX = "apo-"
+MIN_PREFIX_CHARS = 20  # a shared leading text shorter than this (normalised) is no instruction: texts stay apart
 
 # The system message of every stored call of the given rollouts, by agent (NULL for a bare SDK call).
 SQL_CALL_SYSTEMS = """
@@ -45,10 +50,55 @@ class Component:
     system: str               # the text the agent itself sends
     agents: tuple[str, ...]   # the agents (as the compiler names them) whose calls send it; () for bare calls
     calls: int = 0            # calls of the seed rollouts that sent it
+    prefix: bool = False      # `system` is what the sent texts start with, the rest varying per task
 
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.system)
+
+    def matches(self, text: str | None) -> bool:
+        """Whether a call that sent system text `text` is one of this component's."""
+        if text is None:
+            return False
+        return normalised(text).startswith(normalised(self.system)) if self.prefix else \
+            fingerprint(text) == self.fingerprint
+
+
+def component_of(components: list[Component], text: str | None) -> Component | None:
+    """The component a call with system text `text` belongs to: an exact text first, as the gateway's patches."""
+    return next((c for c in components if not c.prefix and c.matches(text)), None) or \
+        next((c for c in components if c.prefix and c.matches(text)), None)
+
+
+def first_line(text: str) -> str:
+    return normalised(text.strip().split("\n", 1)[0])
+
+
+def shared_lead(texts: list[str]) -> str | None:
+    """The whole lines every text starts with (the first line at least, as the texts share it); None when too
+    short to be an instruction."""
+    common = os.path.commonprefix([t.lstrip() for t in texts])
+    lead = common[:common.rfind("\n")] if "\n" in common else ""
+    lead = lead.rstrip() or texts[0].lstrip().split("\n", 1)[0].rstrip()
+    return lead if len(normalised(lead)) >= MIN_PREFIX_CHARS else None
+
+
+def merge_templated(texts: dict[str, dict]) -> dict[str, dict]:
+    """Texts by fingerprint, those of one sender (the same agents, or bare calls) that share their first line
+    merged into one entry of their shared leading lines (`prefix`), keyed by its fingerprint."""
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for fp, entry in texts.items():
+        groups[(tuple(sorted(entry["agents"])), first_line(entry["system"]))].append(fp)
+    merged = {}
+    for prints in groups.values():
+        lead = shared_lead([texts[fp]["system"] for fp in prints]) if len(prints) > 1 else None
+        if lead is None:
+            merged.update({fp: texts[fp] for fp in prints})
+            continue
+        merged[fingerprint(lead)] = {"system": lead, "prefix": True,
+                                     "agents": set().union(*(texts[fp]["agents"] for fp in prints)),
+                                     "calls": sum(texts[fp]["calls"] for fp in prints)}
+    return merged
 
 
 def components_from_rows(rows: list[dict], agents_pattern: str = "") -> list[Component]:
@@ -63,6 +113,7 @@ def components_from_rows(rows: list[dict], agents_pattern: str = "") -> list[Com
         entry["calls"] += int(row["calls"])
         if row["agent"]:
             entry["agents"].add(row["agent"])
+    texts = merge_templated(texts)
     pattern = re.compile(agents_pattern) if agents_pattern else None
     kept = {fp: e for fp, e in texts.items()
             if pattern is None or any(pattern.fullmatch(a) for a in e["agents"])}
@@ -76,7 +127,7 @@ def components_from_rows(rows: list[dict], agents_pattern: str = "") -> list[Com
         name = "+".join(agents) if agents else f"system-{fp[:8]}"
         if any(texts_per_agent[a] > 1 for a in agents):
             name = f"{name}@{fp[:8]}"
-        components.append(Component(name, entry["system"], agents, entry["calls"]))
+        components.append(Component(name, entry["system"], agents, entry["calls"], entry.get("prefix", False)))
     return components
 
 
@@ -145,10 +196,11 @@ def candidate_patch(candidate: dict[str, str], components: list[Component]) -> d
         if demos := demos_of(candidate, component.name):
             action["demos"] = demos
         if action:
+            target = {"system_prefix": component.system} if component.prefix else {"agent": component.name}
             patches.append({"id": PATCH_ID_PREFIX + component.name, "version": version,
-                            "description": f"prompt optimiser candidate {version}",
-                            "target": {"agent": component.name}, "action": action})
-    data = {"agents": {c.name: {"system": c.system} for c in components}, "patches": patches}
+                            "description": f"prompt optimiser candidate {version}", "target": target,
+                            "action": action})
+    data = {"agents": {c.name: {"system": c.system} for c in components if not c.prefix}, "patches": patches}
     parse_patches(data, f"candidate {version}")  # what the gateway will read: checked here
     return data
 
@@ -167,5 +219,5 @@ def write_patch(candidate: dict[str, str], components: list[Component], folder: 
     return path
 
 
-__all__ = ["Component", "components_from_rows", "discover_components", "seed_candidate", "candidate_key",
+__all__ = ["Component", "component_of", "components_from_rows", "discover_components", "seed_candidate", "candidate_key",
            "candidate_patch", "write_patch", "with_demos", "demos_of", "changes", "BASE", "DEMOS"]

@@ -25,9 +25,8 @@ from typing import Callable
 
 from lightning_otel.rollouts.runner import Task
 from lightning_otel.serve.toolcalls import ToolFormat
-from lightning_otel.serve.prompts import fingerprint
 from lightning_otel.train.apo.adapter import answer_text, conversation, message_text, stored_messages
-from lightning_otel.train.apo.candidates import Component, with_demos
+from lightning_otel.train.apo.candidates import Component, component_of, with_demos
 from lightning_otel.train.apo.evaluation import Evaluator
 from lightning_otel.train.transitions.retokenize import assistant_message
 
@@ -67,13 +66,12 @@ def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: l
     """Per component, the demonstrations the high-reward calls give (module docstring, step 2); `calls` in order
     (read_calls), `rewards` by rollout id."""
     pool: dict[str, list[dict]] = {c.name: [] for c in components}
-    by_print = {c.fingerprint: c.name for c in components}
     seen: set[tuple[str, str]] = set()
     for call in calls:
         reward = rewards.get(call["rollout_id"])
         if reward is None or reward < min_reward or call["system"] is None:
             continue
-        name = by_print.get(fingerprint(call["system"]))
+        name = getattr(component_of(components, call["system"]), "name", None)
         pair = demo_pair(call, syntax) if name else None
         if pair is None or (name, pair["user"]) in seen:
             continue
