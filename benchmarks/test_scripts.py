@@ -131,6 +131,15 @@ print(changed["__file__"] == {str(example)!r}, changed["INSTRUCTIONS"] == {instr
     assert Path(path).parent == tmp_path and function == "run"
 
 
+@pytest.mark.parametrize("name", ["math", "spider"])
+def test_each_apo_vs_grpo_task_writes_the_train_and_test_files_the_report_reads(tmp_path, name):
+    from benchmarks.learning.arm_tasks import TASKS, task_ids
+
+    pool, test = TASKS[name].write_tasks(tmp_path / "tasks", 8, 6, 0)
+    assert (pool, test) == (tmp_path / "tasks" / "train.jsonl", tmp_path / "tasks" / "test.jsonl")
+    assert len(task_ids(pool)) == 8 and len(task_ids(test)) == 6 and not set(task_ids(pool)) & set(task_ids(test))
+
+
 def test_apo_vs_grpo_report_pairs_each_arm_with_base_and_judges_the_goal_from_the_arm_folders(tmp_path):
     from benchmarks.learning.arm_report import goal, paired, report
 

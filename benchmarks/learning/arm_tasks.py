@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.helpers.examples import example_module
 from benchmarks.learning.math_agent import write
-from lightning_otel.tasks.spider.splits import read_rows, split
+from lightning_otel.tasks.spider.splits import read_rows, split, write_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,14 +30,16 @@ class BenchTask:
     tool_syntax: str      # the syntax demonstrations of tool calls are written in ("" none: text answers only)
 
     def write_tasks(self, out: Path, pool: int, test: int, seed: int) -> tuple[Path, Path]:
-        """(train pool, held-out) task files in `out`, the same for the same arguments."""
+        """(train pool, held-out) task files in `out`, `train.jsonl` and `test.jsonl` for every task (the report
+        reads the second), the same for the same arguments."""
         out.mkdir(parents=True, exist_ok=True)
         if self.name == "math":
             problems = example_module("openai_agents_math", "problems")
             return (write(problems.make("train", pool, seed), out / "train.jsonl"),
                     write(problems.make("test", test, seed), out / "test.jsonl"))
-        files = split(out, eval_count=test, grpo_count=pool, sft_count=0)
-        return files["grpo"], files["eval"]
+        files = split(out / "split", eval_count=test, grpo_count=pool, sft_count=0)
+        return (write_rows(read_rows(files["grpo"]), out / "train.jsonl"),
+                write_rows(read_rows(files["eval"]), out / "test.jsonl"))
 
 
 MATH_EXAMPLE = REPO / "examples" / "openai_agents_math"
