@@ -329,10 +329,8 @@ def _patch(source: str, index: int, value: Any, agents: dict[str, AgentPrompt]) 
                 raise UserError(f"{where}: agents {name!r} and {other!r} send the same system message ({shared[0]}): "
                                 f"the gateway tells calls apart by it, so it cannot patch one and not the other; "
                                 f"target its system_sha256 instead, knowing both agents' calls change")
-    elif "system_prefix" in target:
-        sums = ()
     else:
-        sums = (_hex(where, target["system_sha256"]),)
+        sums = (_hex(where, target["system_sha256"]),) if "system_sha256" in target else ()
     prefix = normalised(_text(where, target["system_prefix"], "system_prefix")) if "system_prefix" in target else None
     description = value.get("description", "")
     if not isinstance(description, str):
