@@ -140,6 +140,30 @@ def test_each_apo_vs_grpo_task_writes_the_train_and_test_files_the_report_reads(
     assert len(task_ids(pool)) == 8 and len(task_ids(test)) == 6 and not set(task_ids(pool)) & set(task_ids(test))
 
 
+
+def test_apo_splits_of_the_spider_pool_span_its_databases(tmp_path):
+    """The Spider pool is sorted easiest first, so its leading questions share a database; APO's train and
+    validation splits take the databases in turn instead (math: the pool's own order)."""
+    from benchmarks.learning.apo_vs_grpo import apo_config, parse
+    from benchmarks.learning.arm_tasks import TASKS, interleave, task_ids
+    from lightning_otel.tasks.spider.splits import read_rows
+
+    assert interleave([{"g": "a", "i": 1}, {"g": "a", "i": 2}, {"g": "b", "i": 3}, {"g": "c", "i": 4}], "g") == [
+        {"g": "a", "i": 1}, {"g": "b", "i": 3}, {"g": "c", "i": 4}, {"g": "a", "i": 2}]
+    args = parse(["--task", "spider", "--out", str(tmp_path), "--apo-train", "6", "--apo-val", "6"])
+    for name in ("spider", "math"):
+        pool, _ = TASKS[name].write_tasks(tmp_path / name / "tasks", 32, 4, 0)
+        config = apo_config(args, TASKS[name], pool, tmp_path / name)
+        train, val = read_rows(Path(config.tasks)), read_rows(Path(config.val_tasks))
+        assert len(train) == len(val) == 6 and not {r["id"] for r in train} & {r["id"] for r in val}
+        if name == "math":
+            assert [r["id"] for r in train + val] == task_ids(pool)[:12]
+            continue
+        pooled = read_rows(pool)
+        assert len({r["db_id"] for r in pooled[:6]}) < len({r["db_id"] for r in train})
+        assert len({r["db_id"] for r in val}) > 1 and {r["db_id"] for r in train} & {r["db_id"] for r in val}
+
+
 def test_apo_vs_grpo_report_pairs_each_arm_with_base_and_judges_the_goal_from_the_arm_folders(tmp_path):
     from benchmarks.learning.arm_report import goal, paired, report
 

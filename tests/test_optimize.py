@@ -141,7 +141,8 @@ def test_demonstrations_come_from_full_reward_opening_calls_and_sets_are_drawn_r
              call("r4", "q1", "BANANA again"), call("r5", "q5", "BANANA!"), {**call("r6", "q6", "x"), "system": "?"}]
     rewards = {"r1": 1.0, "r2": 0.0, "r3": 1.0, "r4": 1.0, "r5": 1.0, "r6": 1.0}
     pool = demo_pool(calls, rewards, [component], 1.0)
-    assert pool == {"answer": [{"user": "q1", "assistant": "BANANA"}, {"user": "q5", "assistant": "BANANA!"}]}
+    assert pool == {"answer": [{"user": "q1", "assistant": "BANANA", "reward": 1.0},
+                               {"user": "q5", "assistant": "BANANA!", "reward": 1.0}]}
     sets = demo_sets(pool, 1, 5, seed=0)
     assert len(sets) == 2 and sets == demo_sets(pool, 1, 5, seed=0)  # only two different sets of one exist
     assert demo_sets({"answer": []}, 2, 3, 0) == []
@@ -150,8 +151,33 @@ def test_demonstrations_come_from_full_reward_opening_calls_and_sets_are_drawn_r
         {"type": "tool_call", "name": "calculate", "arguments": '{"expression": "3 * 4"}'}]}])}
     pool = demo_pool([tool_call], {"r3": 1.0}, [component], 1.0, tool_format("hermes"))
     assert pool == {"answer": [{"user": "q3", "assistant": '<tool_call>\n{"name": "calculate", "arguments": '
-                                                            '{"expression": "3 * 4"}}\n</tool_call>'}]}
+                                                            '{"expression": "3 * 4"}}\n</tool_call>', "reward": 1.0}]}
     assert demo_pool([tool_call], {"r3": 1.0}, [component], 1.0) == {"answer": []}
+
+
+
+def test_demonstrations_of_full_reward_are_shown_before_partly_right_ones():
+    """With a shaped reward, calls above demos_min_reward but below full reward enter a set only when the right
+    ones cannot make a new set; a question answered twice keeps its better answer."""
+    component = Component("answer", SYSTEM, ("answer",))
+
+    def call(rollout, user, answer):
+        return {"rollout_id": rollout, "system": SYSTEM,
+                "output_messages": json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": answer}]}]),
+                "input_messages": json.dumps([{"role": "user", "parts": [{"type": "text", "content": user}]}])}
+    calls = [call("p1", "q1", "half"), call("f1", "q1", "right"), call("f2", "q2", "right"),
+             call("p3", "q3", "half"), call("p4", "q4", "half"), call("p5", "q5", "half")]
+    rewards = {"p1": 0.4, "f1": 1.0, "f2": 1.0, "p3": 0.4, "p4": 0.4, "p5": 0.4}
+    pool = demo_pool(calls, rewards, [component], 0.4)["answer"]
+    assert [(d["user"], d["assistant"], d["reward"]) for d in pool] == [
+        ("q1", "right", 1.0), ("q2", "right", 1.0), ("q3", "half", 0.4), ("q4", "half", 0.4), ("q5", "half", 0.4)]
+    for seed in range(5):
+        sets = demo_sets({"answer": pool}, 2, 4, seed)
+        assert {d["user"] for d in sets[0][1]} == {"q1", "q2"}  # the only set of two right answers comes first
+        assert len(sets) == 4 and all(any(d["reward"] < 1 for d in s) for _, s in sets[1:])
+        assert len({tuple(sorted(d["user"] for d in s)) for _, s in sets}) == 4
+    # every pair of one level: drawn as before, at random among them
+    assert len(demo_sets({"answer": pool[2:]}, 2, 10, 0)) == 3
 
 
 SQL_LEAD = "You write SQLite queries.\nAnswer with one SQL query and nothing else.\nThe database has these tables:"

@@ -36,7 +36,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.learning.arm_report import ARMS, read_arm, report, table
-from benchmarks.learning.arm_tasks import TASKS, BenchTask, task_ids
+from benchmarks.learning.arm_tasks import TASKS, BenchTask, interleave, task_ids
 from benchmarks.learning.grpo_knobs import add_knobs, knob_settings
 from lightning_otel.eval.metrics import outcomes_by_version
 from lightning_otel.span_store import client
@@ -84,20 +84,21 @@ def stored_outcomes(db: Path, ids: list[str]) -> dict[str, float]:
 
 
 def apo_config(args, task: BenchTask, pool: Path, folder: Path):
-    """The prompt search on the train pool alone: its first --apo-train tasks teach, the next --apo-val choose."""
+    """The prompt search on the train pool alone: its first --apo-train tasks teach, the next --apo-val choose (the
+    pool taken one database at a time in turn on Spider, so both splits span databases: the schema is in the
+    system text, and a patch is only checked on texts it reaches)."""
     from lightning_otel.rollouts.runner import load_tasks
     from lightning_otel.tasks.spider.splits import write_rows
     from lightning_otel.train.apo.config import OptimizeConfig
 
-    rows = [{**t.fields, "id": t.task_id} for t in load_tasks(pool)]
+    rows = interleave([{**t.fields, "id": t.task_id} for t in load_tasks(pool)], task.group)
     if len(rows) < args.apo_train + args.apo_val:
         raise SystemExit(f"--pool {len(rows)} is smaller than --apo-train + --apo-val")
     train = write_rows(rows[:args.apo_train], folder / "apo_train.jsonl")
     val = write_rows(rows[args.apo_train:args.apo_train + args.apo_val], folder / "apo_val.jsonl")
-    return OptimizeConfig(tasks=str(train), val_tasks=str(val), agent=task.agent, reward=task.train_reward,
-                          output_dir=str(folder / "optimize"), n=1, temperature=args.apo_temperature,
-                          max_tokens=task.max_tokens,
-                          concurrency=args.concurrency, proposer=args.proposer,
+    return OptimizeConfig(tasks=str(train), val_tasks=str(val), agent=task.agent,
+                          reward=args.train_reward or task.train_reward, output_dir=str(folder / "optimize"), n=1,
+                          temperature=args.apo_temperature, max_tokens=task.max_tokens, concurrency=args.concurrency, proposer=args.proposer,
                           max_metric_calls=args.max_metric_calls, minibatch=args.minibatch, seed=args.seed,
                           demos_k=args.demos_k, demos_sets=args.demos_sets, demos_min_reward=args.demos_min_reward,
                           demos_tool_calls=task.tool_syntax)
@@ -128,7 +129,7 @@ def run_grpo(args, task, pool, test, folder, engine, prompt: Path | None) -> dic
     settings = knob_settings(args)
     settings.update(max_tokens=task.max_tokens)
     train(TrainConfig(tasks=str(pool), val_tasks=str(test), val_every=args.val_every, agent=task.agent,
-                      reward=task.train_reward, output_dir=str(folder / "run"), n=args.n,
+                      reward=args.train_reward or task.train_reward, output_dir=str(folder / "run"), n=args.n,
                       tasks_per_round=args.tasks_per_round, rounds=rounds, prompt=str(prompt) if prompt else "",
                       **settings),
           engine=engine, progress=lambda label, done, total: print(f"\r{label}: {done}/{total}  ", end="", flush=True))
@@ -193,6 +194,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="recompute the report from --out's arm folders")
     p.add_argument("--pool", type=int, default=64, help="train-pool tasks (GRPO's; APO uses its first ones)")
     p.add_argument("--test", type=int, default=96, help="held-out tasks")
+    p.add_argument("--train-reward", default="",
+                   help="what APO and GRPO learn from, instead of the task's (e.g. spider_shaped, whose partial "
+                        "credit gives a model that is never right something to learn from); held-out accuracy "
+                        "stays the task's")
     # APO: sized to stay under a tenth of GRPO's 512 training rollouts
     p.add_argument("--apo-train", type=int, default=6, help="train-pool tasks the reflection and demos learn from")
     p.add_argument("--apo-val", type=int, default=6, help="train-pool tasks candidates are compared on")

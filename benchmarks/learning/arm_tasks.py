@@ -28,6 +28,7 @@ class BenchTask:
     eval_reward: str      # held-out accuracy: an episode reward of 1 is right
     max_tokens: int       # per call, every arm and every evaluation
     tool_syntax: str      # the syntax demonstrations of tool calls are written in ("" none: text answers only)
+    group: str = ""       # the field whose values send different system texts (Spider: the database)
 
     def write_tasks(self, out: Path, pool: int, test: int, seed: int) -> tuple[Path, Path]:
         """(train pool, held-out) task files in `out`, `train.jsonl` and `test.jsonl` for every task (the report
@@ -49,12 +50,24 @@ TASKS = {
                       f"{MATH_EXAMPLE / 'reward.py'}:shaped",
                       "number_match", 48, "hermes"),
     "spider": BenchTask("spider", f"{REPO / 'examples' / 'openai_sql' / 'agent.py'}:run", "spider_exec",
-                        "spider_exec", 128, "hermes"),
+                        "spider_exec", 128, "hermes", group="db_id"),
 }
+
+
+def interleave(rows: list[dict], field: str) -> list[dict]:
+    """The rows taken one per value of `field` in turn (values in order of first appearance, rows in their order
+    within each), so any leading slice spans the values; unchanged when `field` is empty."""
+    if not field:
+        return list(rows)
+    groups: dict[object, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row.get(field), []).append(row)
+    queues = list(groups.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
 
 
 def task_ids(path: Path) -> list[str]:
     return [str(row["id"]) for row in read_rows(path)]
 
 
-__all__ = ["BenchTask", "TASKS", "task_ids"]
+__all__ = ["BenchTask", "TASKS", "interleave", "task_ids"]

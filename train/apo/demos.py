@@ -5,10 +5,13 @@ strong model.
 2. The pool, per component: the calls of train-split rollouts (of any candidate so far) that earned at least
    `demos_min_reward`, that sent the component's system message, opened their conversation (one user message
    after the system message) and answered in text, or (with `demos_tool_calls`, a tool syntax) with tool calls,
-   written as that syntax's text. Each gives a pair (user message, answer); one per user text.
-3. Up to `demos_sets` different sets of `demos_k` pairs, drawn with `seed`, each added as `demos` to one component
-   of the starting candidate, are evaluated on the validation split like every candidate; the best set is kept
-   when it beats the starting candidate there.
+   written as that syntax's text. Each gives a pair (user message, answer) with its episode reward; one per user
+   text, the best rewarded.
+3. Up to `demos_sets` different sets of `demos_k` pairs, drawn with `seed` from the best rewarded pairs first (a
+   pair of lower reward enters only when the better ones cannot make a new set: with a shaped reward, a partly
+   right answer is shown only where too few right ones exist), each added as `demos` to one component of the
+   starting candidate, are evaluated on the validation split like every candidate; the best set is kept when it
+   beats the starting candidate there.
 
 Only train-split calls become demonstrations, so no validation task's answer is shown to the model it is scored
 on. The pool and each set's score are kept in `demos.json` in the run folder: a rerun reads the pool back (the
@@ -66,38 +69,63 @@ def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: l
     """Per component, the demonstrations the high-reward calls give (module docstring, step 2); `calls` in order
     (read_calls), `rewards` by rollout id."""
     pool: dict[str, list[dict]] = {c.name: [] for c in components}
-    seen: set[tuple[str, str]] = set()
+    seen: dict[tuple[str, str], dict] = {}
     for call in calls:
         reward = rewards.get(call["rollout_id"])
         if reward is None or reward < min_reward or call["system"] is None:
             continue
         name = getattr(component_of(components, call["system"]), "name", None)
         pair = demo_pair(call, syntax) if name else None
-        if pair is None or (name, pair["user"]) in seen:
+        if pair is None:
             continue
-        seen.add((name, pair["user"]))
-        pool[name].append(pair)
+        pair["reward"] = float(reward)
+        earlier = seen.get((name, pair["user"]))
+        if earlier is None:
+            seen[(name, pair["user"])] = pair
+            pool[name].append(pair)
+        elif pair["reward"] > earlier["reward"]:  # the same question answered better: that answer, in its place
+            earlier.update(pair)
     return pool
 
 
 def demo_sets(pool: dict[str, list[dict]], k: int, count: int, seed: int) -> list[tuple[str, list[dict]]]:
     """Up to `count` different (component, demonstrations) sets of k pairs (fewer where the pool is smaller),
-    drawn with `seed`, round robin over the components that have a pool."""
+    drawn with `seed`, round robin over the components that have a pool; each component's sets come from its best
+    rewarded pairs first (module docstring, step 3; a pair with no reward counts as full)."""
     rng = random.Random(seed)
     names = [n for n, pairs in sorted(pool.items()) if pairs]
+    draws = {n: _best_first(pool[n], k, rng) for n in names}
     sets: list[tuple[str, list[dict]]] = []
-    seen: set[tuple[str, tuple[str, ...]]] = set()
-    attempts = 0
-    while names and len(sets) < count and attempts < 20 * count:
-        name = names[attempts % len(names)]
-        attempts += 1
-        pairs = pool[name]
-        chosen = rng.sample(pairs, min(k, len(pairs)))
-        mark = (name, tuple(sorted(p["user"] for p in chosen)))
-        if mark not in seen:
-            seen.add(mark)
-            sets.append((name, chosen))
+    while names and len(sets) < count:
+        for name in list(names):
+            chosen = next(draws[name], None)
+            if chosen is None:
+                names.remove(name)
+            elif len(sets) < count:
+                sets.append((name, chosen))
     return sets
+
+
+def _best_first(pairs: list[dict], k: int, rng: random.Random):
+    """Different sets of min(k, len(pairs)) pairs: drawn from the pairs of the best reward levels that hold k, then
+    from the pairs of one level more, and so on (a level is left after 20 draws in a row gave no new set)."""
+    size = min(k, len(pairs))
+    levels = sorted({p.get("reward", 1.0) for p in pairs}, reverse=True)
+    seen: set[tuple[str, ...]] = set()
+    for level in levels:
+        eligible = [p for p in pairs if p.get("reward", 1.0) >= level]
+        if len(eligible) < size:
+            continue
+        misses = 0
+        while misses < 20:
+            chosen = rng.sample(eligible, size)
+            mark = tuple(sorted(p["user"] for p in chosen))
+            if mark in seen:
+                misses += 1
+                continue
+            misses = 0
+            seen.add(mark)
+            yield chosen
 
 
 class DemosProposer:
