@@ -64,9 +64,12 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("needs_engine"):
             if not item.get_closest_marker("heavy"):
                 item.add_marker(pytest.mark.heavy)  # every vLLM-backed test is heavy: generation dominates its time
-            # Under pytest-xdist (`make test`: two workers, --dist loadgroup) every engine test runs in one
-            # worker, so the session's one shared engine starts once; the other worker takes the rest.
-            item.add_marker(pytest.mark.xdist_group("engine"))
+            # Under pytest-xdist (`make test`: two workers, --dist loadgroup) every test of the shared engine runs
+            # in one worker, so the session's one shared engine starts once; the other worker takes the rest,
+            # tests that start an engine of their own (own_engine) included: that worker finishes first, and on
+            # a 2-core AVX2 machine the shared engine's worker alone took 80 of pytest's 80 minutes.
+            if not item.get_closest_marker("own_engine"):
+                item.add_marker(pytest.mark.xdist_group("engine"))
     # The floors and sanitizer runs (test_floors_and_sanitizer.py) last: in one process after everything else, as
     # `make test` ran them before they joined the suite; under pytest-xdist the worker without the engine tests
     # takes them when done with the rest, while the engine tests still run in the other.

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.wheel import installed_from_wheel
 
-pytestmark = [pytest.mark.needs_engine, pytest.mark.heavy]  # it starts its own vLLM engine
+pytestmark = [pytest.mark.needs_engine, pytest.mark.own_engine, pytest.mark.heavy]  # it starts its own vLLM engine
 
 REPO = Path(__file__).resolve().parent.parent
 

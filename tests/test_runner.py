@@ -60,9 +60,11 @@ def setup(tmp_path: Path):
 
 
 def config(agent_script: Path, tasks: Path, db: Path, **kw) -> RolloutConfig:
+    # 60 s (the task that hangs waits it out): on a loaded 2-core AVX2 machine (the engine tests and a sanitizer
+    # build beside it) the agents that answer at once took over 20 s to start and finish, and all timed out.
     import sys
     defaults = dict(tasks=tasks, agent=f"{sys.executable} {agent_script} --question {{question}} --db {{db_path}}", n=2,
-                    concurrency=3, db=db, base_url="http://127.0.0.1:9/v1", reward="spider_exec", rollout_timeout_s=20)
+                    concurrency=3, db=db, base_url="http://127.0.0.1:9/v1", reward="spider_exec", rollout_timeout_s=60)
     defaults.update(kw)
     return RolloutConfig(**defaults)
 
