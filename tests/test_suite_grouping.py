@@ -1,6 +1,7 @@
 """The suite's own scheduling: under pytest-xdist (`make test`, two workers, --dist loadgroup) every test that uses
 the shared engine runs in one worker, so the session starts one vLLM engine, not one per worker, and the tests
-marked runs_last (the floors and sanitizer runs) run in the other worker beside them. The grouping
+marked runs_last (the floors and sanitizer runs) run in the other worker beside them; a test that starts an
+engine of its own (own_engine) is in no group. The grouping
 rests on conftest.py's hook and on pytest-xdist renaming node ids, which some pytest releases ignore (9.2 with
 xdist 3.8): there every engine test could land in either worker and each worker started an engine of its own."""
 from __future__ import annotations
@@ -53,12 +54,19 @@ def test_floors_stand_in():
 @pytest.mark.parametrize("i", range(6))
 def test_without(i):
     record(f"plain-{i}", 0.05)
+
+
+@pytest.mark.needs_engine
+@pytest.mark.own_engine
+def test_own_engine(request):  # starts an engine of its own: free to run in either worker
+    record("own" + ("-grouped" if request.node.get_closest_marker("xdist_group") else ""), 0.05)
 '''
 
 
 @pytest.mark.heavy  # 7 s alone (two xdist workers start), 18 s in the suite
 def test_engine_tests_share_one_xdist_worker(tmp_path):
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    runs_last: last in the collection\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    runs_last: last in the collection\n"
+                                         "    needs_engine: vLLM\n    own_engine: its own vLLM\n")
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_grouped.py").write_text(TESTS)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -67,7 +75,7 @@ def test_engine_tests_share_one_xdist_worker(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     runs = [json.loads(line) for line in (tmp_path / "workers.jsonl").read_text().splitlines()]
-    assert len(runs) == 13
+    assert len(runs) == 14 and "own" in [r["test"] for r in runs]  # not in the engine tests' group
     engine_workers = {r["worker"] for r in runs if r["test"].startswith("engine-")}
     assert len(engine_workers) == 1 and None not in engine_workers, (
         f"the engine tests ran in workers {sorted(engine_workers)}: pytest-xdist's loadgroup no longer groups them "
