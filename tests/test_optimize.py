@@ -180,6 +180,30 @@ def test_demonstrations_of_full_reward_are_shown_before_partly_right_ones():
     assert len(demo_sets({"answer": pool[2:]}, 2, 10, 0)) == 3
 
 
+
+def test_an_answer_the_agent_sent_back_for_correction_is_no_demonstration():
+    """The SQL agent answers a failed query back as the user; the episode's reward then belongs to the corrected
+    query, so the opening answer is not shown as a demonstration. A tool result is no such answer."""
+    component = Component("answer", SYSTEM, ("answer",))
+
+    def call(rollout, messages, answer):
+        return {"rollout_id": rollout, "system": SYSTEM,
+                "output_messages": json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": answer}]}]),
+                "input_messages": json.dumps([{"role": "system", "parts": [{"type": "text", "content": SYSTEM}]}] + [
+                    {"role": role, "parts": [{"type": "text", "content": text}]} for role, text in messages])}
+    question = [("user", "How many courses?")]
+    calls = [call("r1", question, "There are 24 courses."),
+             call("r1", [*question, ("assistant", "There are 24 courses."), ("user", "The query failed: syntax")],
+                  "SELECT count(*) FROM courses"),
+             call("r2", question, "SELECT count(*) FROM courses"),
+             call("r2", [*question, ("assistant", "SELECT count(*) FROM courses"), ("tool", "24")], "24"),
+             call("r3", [("user", "How many pets?")], "SELECT count(*) FROM pets")]
+    rewards = {"r1": 1.0, "r2": 0.5, "r3": 1.0}
+    pool = demo_pool(calls, rewards, [component], 0.5)["answer"]
+    assert [(d["user"], d["assistant"], d["reward"]) for d in pool] == [
+        ("How many courses?", "SELECT count(*) FROM courses", 0.5), ("How many pets?", "SELECT count(*) FROM pets", 1.0)]
+
+
 SQL_LEAD = "You write SQLite queries.\nAnswer with one SQL query and nothing else.\nThe database has these tables:"
 
 

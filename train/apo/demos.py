@@ -5,8 +5,10 @@ strong model.
 2. The pool, per component: the calls of train-split rollouts (of any candidate so far) that earned at least
    `demos_min_reward`, that sent the component's system message, opened their conversation (one user message
    after the system message) and answered in text, or (with `demos_tool_calls`, a tool syntax) with tool calls,
-   written as that syntax's text. Each gives a pair (user message, answer) with its episode reward; one per user
-   text, the best rewarded.
+   written as that syntax's text, unless a later call of the same rollout and component answered that answer
+   back as the user (the agent's code asked for a correction: the reward was earned by a later answer, not by
+   this one; a tool result is not such an answer). Each gives a pair (user message, answer) with its episode
+   reward; one per user text, the best rewarded.
 3. Up to `demos_sets` different sets of `demos_k` pairs, drawn with `seed` from the best rewarded pairs first (a
    pair of lower reward enters only when the better ones cannot make a new set: with a shaped reward, a partly
    right answer is shown only where too few right ones exist), each added as `demos` to one component of the
@@ -70,13 +72,14 @@ def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: l
     (read_calls), `rewards` by rollout id."""
     pool: dict[str, list[dict]] = {c.name: [] for c in components}
     seen: dict[tuple[str, str], dict] = {}
+    corrected = _answered_back(calls, components)
     for call in calls:
         reward = rewards.get(call["rollout_id"])
         if reward is None or reward < min_reward or call["system"] is None:
             continue
         name = getattr(component_of(components, call["system"]), "name", None)
         pair = demo_pair(call, syntax) if name else None
-        if pair is None:
+        if pair is None or (call["rollout_id"], name, pair["user"]) in corrected:
             continue
         pair["reward"] = float(reward)
         earlier = seen.get((name, pair["user"]))
@@ -86,6 +89,22 @@ def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: l
         elif pair["reward"] > earlier["reward"]:  # the same question answered better: that answer, in its place
             earlier.update(pair)
     return pool
+
+
+def _answered_back(calls: list[dict], components: list[Component]) -> set[tuple[str, str, str]]:
+    """(rollout id, component, opening user text) of the conversations whose later calls carry a user message
+    after the opening one: the agent's code answered the model back (e.g. with an error to correct)."""
+    found = set()
+    for call in calls:
+        if call["system"] is None:
+            continue
+        opening = conversation(call["input_messages"])
+        if len(opening) > 1 and opening[0].get("role") == "user" \
+                and any(m.get("role") == "user" for m in opening[1:]):
+            name = getattr(component_of(components, call["system"]), "name", None)
+            if name:
+                found.add((call["rollout_id"], name, message_text(opening[0]).strip()))
+    return found
 
 
 def demo_sets(pool: dict[str, list[dict]], k: int, count: int, seed: int) -> list[tuple[str, list[dict]]]:
