@@ -140,7 +140,6 @@ def test_each_apo_vs_grpo_task_writes_the_train_and_test_files_the_report_reads(
     assert len(task_ids(pool)) == 8 and len(task_ids(test)) == 6 and not set(task_ids(pool)) & set(task_ids(test))
 
 
-
 def test_apo_splits_of_the_spider_pool_span_its_databases(tmp_path):
     """The Spider pool is sorted easiest first, so its leading questions share a database; APO's train and
     validation splits take the databases in turn instead (math: the pool's own order)."""

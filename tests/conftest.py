@@ -66,8 +66,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.heavy)  # every vLLM-backed test is heavy: generation dominates its time
             # Under pytest-xdist (`make test`: two workers, --dist loadgroup) every test of the shared engine runs
             # in one worker, so the session's one shared engine starts once; the other worker takes the rest,
-            # tests that start an engine of their own (own_engine) included: that worker finishes first, and on
-            # a 2-core AVX2 machine the shared engine's worker alone took 80 of pytest's 80 minutes.
+            # tests that start an engine of their own (own_engine) included: on a 2-core AVX2 machine the shared
+            # engine's worker ran all 80 minutes of pytest, the other was done after 59.
             if not item.get_closest_marker("own_engine"):
                 item.add_marker(pytest.mark.xdist_group("engine"))
     # The floors and sanitizer runs (test_floors_and_sanitizer.py) last: in one process after everything else, as

@@ -180,7 +180,6 @@ def test_demonstrations_of_full_reward_are_shown_before_partly_right_ones():
     assert len(demo_sets({"answer": pool[2:]}, 2, 10, 0)) == 3
 
 
-
 def test_an_answer_the_agent_sent_back_for_correction_is_no_demonstration():
     """The SQL agent answers a failed query back as the user; the episode's reward then belongs to the corrected
     query, so the opening answer is not shown as a demonstration. A tool result is no such answer."""
@@ -201,7 +200,8 @@ def test_an_answer_the_agent_sent_back_for_correction_is_no_demonstration():
     rewards = {"r1": 1.0, "r2": 0.5, "r3": 1.0}
     pool = demo_pool(calls, rewards, [component], 0.5)["answer"]
     assert [(d["user"], d["assistant"], d["reward"]) for d in pool] == [
-        ("How many courses?", "SELECT count(*) FROM courses", 0.5), ("How many pets?", "SELECT count(*) FROM pets", 1.0)]
+        ("How many courses?", "SELECT count(*) FROM courses", 0.5),
+        ("How many pets?", "SELECT count(*) FROM pets", 1.0)]
 
 
 SQL_LEAD = "You write SQLite queries.\nAnswer with one SQL query and nothing else.\nThe database has these tables:"
@@ -234,15 +234,17 @@ def test_texts_of_one_sender_that_share_their_first_line_make_one_component_patc
     body, patch = patches.apply({"messages": [{"role": "system", "content": unseen},
                                               {"role": "user", "content": "How many concerts?"}]})
     assert patch.target == {"system_prefix": SQL_LEAD}
-    assert body["messages"][0]["content"] == "Write one SQLite query.\nCREATE TABLE concert (id INTEGER PRIMARY KEY,\n  name TEXT)"
+    assert body["messages"][0]["content"] == ("Write one SQLite query.\nCREATE TABLE concert (id INTEGER PRIMARY KEY,"
+                                              "\n  name TEXT)")
     assert [m["content"] for m in body["messages"][1:]] == ["How many pets?", "SELECT count(*) FROM pets",
                                                              "How many concerts?"]
     # demonstrations come from the calls of every database's text
     def call(rollout, table, user):
         return {"rollout_id": rollout, "system": schema_text(table), "output_messages": json.dumps(
                     [{"role": "assistant", "parts": [{"type": "text", "content": f"SELECT * FROM {table}"}]}]),
-                "input_messages": json.dumps([{"role": "system", "parts": [{"type": "text", "content": schema_text(table)}]},
-                                              {"role": "user", "parts": [{"type": "text", "content": user}]}])}
+                "input_messages": json.dumps([
+                    {"role": "system", "parts": [{"type": "text", "content": schema_text(table)}]},
+                    {"role": "user", "parts": [{"type": "text", "content": user}]}])}
     pool = demo_pool([call("r1", "singer", "q1"), call("r2", "pets", "q2")], {"r1": 1.0, "r2": 1.0}, [lead], 1.0)
     assert [d["user"] for d in pool[lead.name]] == ["q1", "q2"]
 

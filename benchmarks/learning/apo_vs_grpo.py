@@ -98,10 +98,10 @@ def apo_config(args, task: BenchTask, pool: Path, folder: Path):
     val = write_rows(rows[args.apo_train:args.apo_train + args.apo_val], folder / "apo_val.jsonl")
     return OptimizeConfig(tasks=str(train), val_tasks=str(val), agent=task.agent,
                           reward=args.train_reward or task.train_reward, output_dir=str(folder / "optimize"), n=1,
-                          temperature=args.apo_temperature, max_tokens=task.max_tokens, concurrency=args.concurrency, proposer=args.proposer,
-                          max_metric_calls=args.max_metric_calls, minibatch=args.minibatch, seed=args.seed,
-                          demos_k=args.demos_k, demos_sets=args.demos_sets, demos_min_reward=args.demos_min_reward,
-                          demos_tool_calls=task.tool_syntax)
+                          temperature=args.apo_temperature, max_tokens=task.max_tokens, concurrency=args.concurrency,
+                          proposer=args.proposer, max_metric_calls=args.max_metric_calls, minibatch=args.minibatch,
+                          seed=args.seed, demos_k=args.demos_k, demos_sets=args.demos_sets,
+                          demos_min_reward=args.demos_min_reward, demos_tool_calls=task.tool_syntax)
 
 
 def run_apo(args, task, pool, test, folder, engine) -> dict:

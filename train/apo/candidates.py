@@ -5,7 +5,8 @@ stored calls, `discover_components`). An agent whose system message is an instru
 per task (a schema, retrieved text) sends several texts with the same first line: they make one component, whose
 text is the whole lines they all start with, and whose patch targets that leading text (`system_prefix`), so a
 candidate reaches the agent's calls on every task, seen or not. A candidate maps each component's name to a
-system text, and may add a set of demonstrations to a component under `<name>::demos` (a JSON list of {"user", "assistant"} pairs):
+system text, and may add a set of demonstrations to a component under `<name>::demos` (a JSON list of
+{"user", "assistant"} pairs):
 
     {"answer": "You answer in one word.", "answer::demos": "[{\"user\": \"...\", \"assistant\": \"...\"}]"}
 
