@@ -1,9 +1,12 @@
 """The engine follows the machine: bf16 where it is native (a GPU, or a CPU with bf16 instructions), fp32
-elsewhere, where PyTorch computes bf16 in a slow fallback; on a CPU with few cores it computes on all of them."""
+elsewhere, where PyTorch computes bf16 in a slow fallback; on a CPU with few cores it computes on all of them,
+with threads that sleep while they wait."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -62,24 +65,33 @@ def test_the_running_engine_computes_in_the_chosen_precision(engine):
     assert loaded == {engine.config.dtype}
 
 
+SMALL = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 @pytest.mark.parametrize("environ, cores, gpu, expected", [
-    ({}, 2, False, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
-    ({}, SMALL_MACHINE_CORES, False, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
-    ({}, SMALL_MACHINE_CORES + 1, False, {}),  # vLLM's own default: one core for its scheduler
+    ({}, 2, False, SMALL),
+    ({}, SMALL_MACHINE_CORES, False, SMALL),
+    ({}, SMALL_MACHINE_CORES + 1, False, {}),  # vLLM's own defaults: one core for its scheduler, spinning threads
     ({}, 2, True, {}),  # a GPU engine has no CPU threads to place
-    ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 2, False, {}),  # the user's setting wins
-    ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, 2, False, {}),
-    ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, 2, False, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+    ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 2, False, {"OMP_WAIT_POLICY": "PASSIVE"}),  # the user's setting wins
+    ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, 2, False, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, 2, False, SMALL),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 2, False, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
 ])
-def test_a_cpu_engine_keeps_no_core_back_on_a_small_machine(environ, cores, gpu, expected):
+def test_a_cpu_engine_keeps_no_core_back_and_sleeps_while_waiting_on_a_small_machine(environ, cores, gpu, expected):
     assert engine_cpu_env(environ, cores=cores, gpu=gpu) == expected
 
 
 def test_the_running_engine_computes_on_every_core_of_a_small_machine(engine):
-    """vLLM's log of the shared engine says how many cores it kept back for its scheduler."""
-    if not engine_cpu_env():
+    """vLLM's log of the shared engine says how many cores it kept back for its scheduler, and the engine
+    process's environment says how its threads wait."""
+    settings = engine_cpu_env()
+    if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in settings:
         pytest.skip(f"a GPU, more than {SMALL_MACHINE_CORES} cores, or VLLM_CPU_* set: vLLM places its threads")
     assert set(re.findall(r"reserve_cpu_num=(\d+)", engine.config.log_path.read_text())) == {"0"}
+    environ = dict(item.split("=", 1) for item in
+                   Path(f"/proc/{engine.process.pid}/environ").read_text().split("\0") if "=" in item)
+    assert environ.get("OMP_WAIT_POLICY") == settings.get("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY"))
 
 
 @pytest.mark.parametrize("setting", ["autocast", "bf16"])

@@ -203,21 +203,29 @@ def auto_dtype() -> str:
 # training run alternates: while it samples, the learner is idle. So there the engine gets every core: on a
 # 2-core AVX2 machine the learning check's rollouts took 35-43 s a round instead of 54-56 s and its updates
 # were no slower, and 16 one-call requests ran 1.6x as fast (benchmarks/engine_cores.py, RESULTS.md).
+# With every core bound, any other busy process (an asynchronous round's learner, the agents, a test suite's
+# other worker) takes a core from one of the engine's threads, and OpenMP's default wait policy has the others
+# spin at every barrier until it gets it back: with one busy process beside it, 16 requests took 2.8x as long
+# as alone. Threads that sleep while they wait (OMP_WAIT_POLICY=PASSIVE) took 1.3x, and were as fast alone
+# (benchmarks/engine_contention.py, RESULTS.md).
 SMALL_MACHINE_CORES = 4
 
 
 def engine_cpu_env(environ: dict[str, str] | None = None, cores: int | None = None,
                    gpu: bool | None = None) -> dict[str, str]:
-    """The vLLM-CPU settings the engine starts with: no core kept back on a machine with at most
-    SMALL_MACHINE_CORES cores. A VLLM_CPU_NUM_OF_RESERVED_CPU or VLLM_CPU_OMP_THREADS_BIND the user set wins."""
+    """The vLLM-CPU settings the engine starts with on a machine with at most SMALL_MACHINE_CORES cores: no core
+    kept back, and compute threads that sleep while they wait. A VLLM_CPU_NUM_OF_RESERVED_CPU,
+    VLLM_CPU_OMP_THREADS_BIND or OMP_WAIT_POLICY the user set wins."""
     environ = os.environ if environ is None else environ
     if gpu if gpu is not None else nvidia_gpu():
         return {}
-    if "VLLM_CPU_NUM_OF_RESERVED_CPU" in environ or environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
-        return {}
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if cores <= SMALL_MACHINE_CORES else {}
+    if cores > SMALL_MACHINE_CORES:
+        return {}
+    placed = "VLLM_CPU_NUM_OF_RESERVED_CPU" in environ or environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto"
+    return {**({} if placed else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+            **({} if "OMP_WAIT_POLICY" in environ else {"OMP_WAIT_POLICY": "PASSIVE"})}
 
 
 @dataclass

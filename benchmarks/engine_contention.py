@@ -1,0 +1,88 @@
+"""Does the CPU engine suffer when another process computes beside it, and does the wait policy of its OpenMP
+threads change that? The same requests on an engine whose threads spin while they wait (OpenMP's default,
+OMP_WAIT_POLICY=ACTIVE: the peer) and on one whose threads sleep (PASSIVE: how lightning_otel.serve.engine
+starts it on a machine with few cores, engine_cpu_env), each timed alone and then beside one busy process (a
+single-threaded Python loop, as an asynchronous round's learner, an agent or a test suite's other worker would
+be). One engine at a time, the two alternating.
+
+    .venv/bin/python -m benchmarks.engine_contention [--repeats 2] [--concurrency 16] [--model bundled]
+
+The requests are engine_batching.py's: the learning-loop check's pool of 4 bundled dev questions x 4 samples
+as the one-call SQL agent asks them, max_tokens 32, temperature 0.7. Prints, per engine and run, the seconds
+alone and beside the busy process, then each policy's seconds summed over its runs and the passive engine's
+speed against the active one's. Writes nothing outside a temporary folder for the engine logs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.engine_batching import requests, timed
+from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
+from lightning_otel.serve.model import resolve_model
+
+POLICIES = ("ACTIVE", "PASSIVE")
+BUSY = "while True:\n    sum(i * i for i in range(10_000))\n"
+
+
+def run_once(model_dir: Path, python: str, policy: str, bodies: list[dict], concurrency: int,
+             log_path: Path) -> dict[str, float]:
+    """One engine started with OMP_WAIT_POLICY=policy: seconds for the requests alone, then beside a busy process."""
+    before = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = policy  # the engine passes the environment on to vLLM; a set one wins
+    try:
+        engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=log_path))
+        engine.start()
+    finally:
+        if before is None:
+            os.environ.pop("OMP_WAIT_POLICY")
+        else:
+            os.environ["OMP_WAIT_POLICY"] = before
+    try:
+        timed(engine, bodies[:2], 2)  # warm-up, not counted
+        alone, _ = timed(engine, bodies, concurrency)
+        busy = subprocess.Popen([sys.executable, "-c", BUSY])
+        try:
+            time.sleep(1)
+            beside, _ = timed(engine, bodies, concurrency)
+        finally:
+            busy.kill()
+            busy.wait()
+    finally:
+        engine.stop()
+    return {"alone": alone, "beside a busy process": beside}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--model", default="bundled")
+    args = p.parse_args(argv)
+    python = default_engine_python()
+    model_dir = resolve_model(args.model, python)
+    bodies = requests(4, 4, 32)
+    totals = {policy: {"alone": 0.0, "beside a busy process": 0.0} for policy in POLICIES}
+    with tempfile.TemporaryDirectory() as folder:
+        for repeat in range(args.repeats):
+            for policy in POLICIES:
+                seconds = run_once(model_dir, python, policy, bodies, args.concurrency,
+                                   Path(folder) / f"engine-{repeat}-{policy}.log")
+                for key, value in seconds.items():
+                    totals[policy][key] += value
+                print(f"run {repeat + 1} {policy}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
+                      flush=True)
+    summary = {"cpus": len(os.sched_getaffinity(0)), "seconds": totals,
+               "passive_speedup": {key: totals["ACTIVE"][key] / totals["PASSIVE"][key] for key in totals["ACTIVE"]}}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
