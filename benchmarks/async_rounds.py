@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
         mean = {key: sum(r[key] or 0 for r in later) / len(later)
                 for key in ("wall_seconds", "rollout_seconds", "rollout_wait_seconds", "train_seconds", "swap_seconds")}
         summary[k] = mean
-        print(f"k={k}: mean over rounds 2..: wall {mean['wall_seconds']:.1f} s, rollouts {mean['rollout_seconds']:.1f} s "
+        print(f"k={k}: mean over rounds 2..: wall {mean['wall_seconds']:.1f} s, "
+              f"rollouts {mean['rollout_seconds']:.1f} s "
               f"(waited {mean['rollout_wait_seconds']:.1f} s), train {mean['train_seconds']:.1f} s, "
               f"swap {mean['swap_seconds']:.1f} s")
     sync = summary[0]

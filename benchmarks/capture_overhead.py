@@ -84,7 +84,8 @@ def setups(collector_url: str) -> dict:
         os.environ[distro.REDACT_ENV] = redact
         provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
         provider.add_span_processor(distro.BaggageToAttributes())
-        provider.add_span_processor(distro._export_processor(distro.LightningSpanExporter(endpoint=collector_url)))  # noqa: SLF001
+        provider.add_span_processor(
+            distro._export_processor(distro.LightningSpanExporter(endpoint=collector_url)))  # noqa: SLF001
         return provider
 
     return {"none": None, "traceloop": traceloop_provider, "ours": our_provider,
@@ -141,7 +142,8 @@ def main() -> None:
                   for name, values in cpu.items()}
     print(json.dumps({"wall_us": {k: round(v, 1) for k, v in median.items()},
                       "cpu_us": {k: round(v, 1) for k, v in cpu_median.items()}}))
-    print("\n| setup | wall µs/call | over traceloop (wall, median paired ratio) | CPU µs/call | over traceloop (CPU) |")
+    print("\n| setup | wall µs/call | over traceloop (wall, median paired ratio) | CPU µs/call "
+          "| over traceloop (CPU) |")
     print("| --- | --- | --- | --- | --- |")
     for name, us in median.items():
         print(f"| {name} | {us:.0f} | {(paired[name] - 1) * 100:+.1f}% | {cpu_median[name]:.0f} | "

@@ -4,7 +4,8 @@ restart it replaces, side by side on one engine, and whether the reloaded engine
     .venv/bin/python benchmarks/engine_reload.py [--rounds 3]
 
 A copy of the bundled model with noise on its MLP weights stands for a trained checkpoint. Each round moves
-the engine to it and back, once by reload and once by restart, timing each move until the engine answers. Then greedy logprobs of one prompt: the reloaded engine against an engine started on the
+the engine to it and back, once by reload and once by restart, timing each move until the engine answers.
+Then greedy logprobs of one prompt: the reloaded engine against an engine started on the
 copy (they must match), and against the base weights (they must differ).
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@ The collector writes the file (pid, host, port, its token per role) once it list
 A file whose pid is dead is stale (the collector was killed) and is removed by whoever finds it.
 
 Roles: `ingest` may send OTLP (/v1/traces, /v1/logs), `query` may read (/v1/query), `admin` may do both and
-write (/v1/prune, /v1/records: tasks, rollout runs, computed rewards; /v1/feedback: human scores). A role without a token is open.
+write (/v1/prune, /v1/records: tasks, rollout runs, computed rewards; /v1/feedback: human scores). A role
+without a token is open.
 """
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ def test_a_token_budget_bounds_the_positions_of_every_micro_batch():
         assert [len(indices) for indices, _ in plans if len(rows) - 1 in indices] == [1]
     shared = [(sorted(indices), p) for indices, p in plan_micro_batches(rows, 4, 16, 700) if p]
     # 300 + 4 x 41 = 464 positions fit: the group shares its prefix in micro-batches of up to 4
-    assert sorted(i for indices, _ in shared for i in indices) == list(range(40, 46)) and {p for _, p in shared} == {300}
+    assert (sorted(i for indices, _ in shared for i in indices) == list(range(40, 46))
+            and {p for _, p in shared} == {300})
     unbounded = plan_micro_batches(rows, micro_batch=4, min_shared=0, max_tokens=0)
     assert max(positions(indices, p) for indices, p in unbounded) > 700  # the budget is what kept them small
 

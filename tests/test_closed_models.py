@@ -56,7 +56,8 @@ FROM spans WHERE name = 'lightning.forward' ORDER BY start_ns
 
 
 def chat(system: str, question: str = "How many singers do we have?") -> dict:
-    return {"model": "gpt-4o", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    return {"model": "gpt-4o",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
 
 
 def write_tasks(path: Path, questions: list[str], prefix: str) -> Path:

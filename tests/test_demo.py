@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_quick_demo_runs_from_an_installed_wheel_outside_the_clone(tmp_path):
     venv = installed_from_wheel(tmp_path)
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import lightning_otel; print(lightning_otel.__file__)"],
+    where = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import lightning_otel; print(lightning_otel.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert where.startswith(str(venv)), where  # the wheel's package, not the clone's
     work = tmp_path / "work"

@@ -213,7 +213,8 @@ def test_the_c_decoder_is_built_and_chosen():
     """CI must notice when the build silently stops producing the optional extension. Deliberately outside
     test_otlp_fast.py, whose tests skip when the extension is missing."""
     import os
-    assert otlp._otlp_fast is not None, "span_store/_otlp_fast.c was not built: check the compiler and the install log"  # noqa: SLF001
+    assert otlp._otlp_fast is not None, (  # noqa: SLF001
+        "span_store/_otlp_fast.c was not built: check the compiler and the install log")
     assert otlp.FAST_DECODER is (os.environ.get("LIGHTNING_OTEL_PURE_PYTHON", "") != "1")
     if os.environ.get("LIGHTNING_OTEL_FAST_SO"):  # `make test-asan`: the sanitizer build, not the installed one
         assert otlp._otlp_fast.__file__ == os.path.abspath(os.environ["LIGHTNING_OTEL_FAST_SO"])

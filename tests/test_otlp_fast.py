@@ -352,7 +352,8 @@ def test_invalid_utf8_in_bytes_is_fine():
 
 def string_field_paths():
     """For every string field reachable from ExportTraceServiceRequest: the shortest request that sets it."""
-    paths, seen, queue = [], {ExportTraceServiceRequest.DESCRIPTOR.full_name}, [(ExportTraceServiceRequest.DESCRIPTOR, [])]
+    paths, seen, queue = ([], {ExportTraceServiceRequest.DESCRIPTOR.full_name},
+                          [(ExportTraceServiceRequest.DESCRIPTOR, [])])
     while queue:
         descriptor, path = queue.pop(0)
         for f in descriptor.fields:

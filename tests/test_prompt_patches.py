@@ -147,7 +147,8 @@ def test_a_prefix_target_patches_every_text_that_starts_with_it_and_replace_keep
                                        "action": {"append": "y"}}]})
     assert both.apply(chat(two))[1].id == "f" and both.apply(chat(one))[1].id == "p"
     # export-prompt writes the instruction a prefix patch makes (the per-task rest is not the agent's to keep)
-    assert prompt_export.patched_prompt(patches.patches[0], patches)["system"] == "Write one SQLite query in a sql block."
+    assert (prompt_export.patched_prompt(patches.patches[0], patches)["system"]
+            == "Write one SQLite query in a sql block.")
     assert prompt_export.patched_prompt(appended.patches[0], appended)["system"] == instruction + "\n\nNever SELECT *."
     assert patches.patches[0].target_label == f"system_prefix {' '.join(instruction.split())[:45] + '...'!r}"
 

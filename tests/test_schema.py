@@ -33,7 +33,8 @@ def test_an_older_store_is_migrated_on_open(tmp_path):
         con.execute(store.SQL_CREATE_MIGRATIONS)
         con.execute(first.sql)
         con.execute("INSERT INTO schema_migrations (version, name) VALUES (?, ?)", [first.version, first.name])
-        con.execute("INSERT INTO spans (trace_id, span_id, name) VALUES ('a' || repeat('0', 31), 'b' || repeat('0', 15), 'kept')")
+        con.execute("INSERT INTO spans (trace_id, span_id, name) "
+                    "VALUES ('a' || repeat('0', 31), 'b' || repeat('0', 15), 'kept')")
     con = store.connect(path, read_only=True)
     versions = [r[0] for r in con.execute("SELECT version FROM schema_migrations ORDER BY 1").fetchall()]
     assert versions == [m.version for m in store.load_migrations()]

@@ -396,7 +396,8 @@ def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
     assert records[1]["optimizer_steps_total"] == steps_round_1 + records[1]["steps"]
     # the same data order: round 2 drew the tasks that seed 3 gives round 2
     expected = [t.task_id for t in round_tasks(load_tasks(tasks), 1, 2, seed=3)]
-    drawn = [json.loads(line)["id"] for line in (run / "rounds" / "round-0002" / "tasks.jsonl").read_text().splitlines()]
+    drawn = [json.loads(line)["id"]
+             for line in (run / "rounds" / "round-0002" / "tasks.jsonl").read_text().splitlines()]
     assert drawn == expected
     assert not (run / killed_at["last"] / "state").exists()  # round 1's optimizer state was dropped after round 2
 
@@ -606,10 +607,12 @@ for key in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LIGHTNING_OTEL_DIST_OWNER"):
     os.environ.pop(key, None)
 from lightning_otel.train.learner import distributed_env
 distributed_env()
-code = "import os; from lightning_otel.train.learner import distributed_env; distributed_env(); print(os.environ['MASTER_PORT'])"
+code = ("import os; from lightning_otel.train.learner import distributed_env; distributed_env(); "
+        "print(os.environ['MASTER_PORT'])")
 inherited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 launcher = {k: v for k, v in os.environ.items() if k != "LIGHTNING_OTEL_DIST_OWNER"}
-kept = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=launcher).stdout.strip()
+kept = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                      env=launcher).stdout.strip()
 print(os.environ["MASTER_PORT"], inherited, kept)
 """
     out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True)

@@ -76,7 +76,8 @@ def optimize_adapters(learner: "Learner", by_adapter: dict[str, list[dict]], con
             continue
         with learner.training_adapter(name):
             stats = optimize(learner, rows, config, objective, seed=seed, epochs=config.epochs, on_step=on_step,
-                             progress=(lambda done, total, name=name: progress(name, done, total)) if progress else None)
+                             progress=((lambda done, total, name=name: progress(name, done, total))
+                                       if progress else None))
         parts.append(stats)
         per[name] = {"transitions": len(rows), "steps": stats.steps,
                      "loss": sum(stats.loss) / len(stats.loss) if stats.loss else None}

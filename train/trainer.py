@@ -13,7 +13,8 @@ train/async_rounds.py); the engine swaps policies between requests (lightning_ot
 The run folder: config.toml (resolved config), run.json (progress: rounds completed, last and best
 checkpoints; written last, atomically, so a killed run resumes from its last completed round), metrics.jsonl,
 steps.jsonl, prompt.json (with `prompt`: the patch file the rollouts ran under; each round's record lists
-the prompt versions its gateway records carry, `prompt_versions`), the trackers' folders (tensorboard/, wandb/, mlruns/; trackers.json), reward_curve.png,
+the prompt versions its gateway records carry, `prompt_versions`), the trackers' folders (tensorboard/, wandb/,
+mlruns/; trackers.json), reward_curve.png,
 traces.duckdb, rounds/round-NNNN/tasks.jsonl, checkpoints/<name>/{adapter|model, state}, pool.jsonl (with
 pool_min_pass / pool_max_pass: every task's pass rate under the starting policy and whether the rounds use it);
 while the SFT warm start runs, its progress (rounds/sft/, checkpoints/sft-partial-*; train/sft.py).

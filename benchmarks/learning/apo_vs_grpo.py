@@ -83,6 +83,12 @@ def stored_outcomes(db: Path, ids: list[str]) -> dict[str, float]:
     return {t: float((rewards.get(t) or 0.0) >= 1.0) for t in ids}  # no reward (a failed rollout): wrong
 
 
+def train_reward(args, task: BenchTask) -> str:
+    """The reward both learners train on: --train-reward, or the task's own (held-out accuracy is always the
+    task's)."""
+    return args.train_reward or task.train_reward
+
+
 def apo_config(args, task: BenchTask, pool: Path, folder: Path):
     """The prompt search on the train pool alone: its first --apo-train tasks teach, the next --apo-val choose (the
     pool taken one database at a time in turn on Spider, so both splits span databases: the schema is in the
@@ -97,7 +103,7 @@ def apo_config(args, task: BenchTask, pool: Path, folder: Path):
     train = write_rows(rows[:args.apo_train], folder / "apo_train.jsonl")
     val = write_rows(rows[args.apo_train:args.apo_train + args.apo_val], folder / "apo_val.jsonl")
     return OptimizeConfig(tasks=str(train), val_tasks=str(val), agent=task.agent,
-                          reward=args.train_reward or task.train_reward, output_dir=str(folder / "optimize"), n=1,
+                          reward=train_reward(args, task), output_dir=str(folder / "optimize"), n=1,
                           temperature=args.apo_temperature, max_tokens=task.max_tokens, concurrency=args.concurrency,
                           proposer=args.proposer, max_metric_calls=args.max_metric_calls, minibatch=args.minibatch,
                           seed=args.seed, demos_k=args.demos_k, demos_sets=args.demos_sets,
@@ -129,7 +135,7 @@ def run_grpo(args, task, pool, test, folder, engine, prompt: Path | None) -> dic
     settings = knob_settings(args)
     settings.update(max_tokens=task.max_tokens)
     train(TrainConfig(tasks=str(pool), val_tasks=str(test), val_every=args.val_every, agent=task.agent,
-                      reward=args.train_reward or task.train_reward, output_dir=str(folder / "run"), n=args.n,
+                      reward=train_reward(args, task), output_dir=str(folder / "run"), n=args.n,
                       tasks_per_round=args.tasks_per_round, rounds=rounds, prompt=str(prompt) if prompt else "",
                       **settings),
           engine=engine, progress=lambda label, done, total: print(f"\r{label}: {done}/{total}  ", end="", flush=True))

@@ -117,7 +117,8 @@ def report(args, seconds: float | None = None) -> dict:
     gained = sum(1 for i in test_ids if final[i] > base[i])
     lost = sum(1 for i in test_ids if final[i] < base[i])
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "final_version": last,
-              "base_accuracy": sum(base.values()) / len(test_ids), "final_accuracy": sum(final.values()) / len(test_ids),
+              "base_accuracy": sum(base.values()) / len(test_ids),
+              "final_accuracy": sum(final.values()) / len(test_ids),
               "gained": gained, "lost": lost, "p": sign_test_p(gained, lost), "train_seconds": seconds,
               "accuracy_by_version": {v: sum(o.values()) / len(o) for v, o in sorted(complete.items())},
               "base": base, "final": final, "curve": curve(args.out / "run")}

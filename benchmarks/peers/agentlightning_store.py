@@ -281,7 +281,8 @@ def run_http(templates: list[Template], seconds: float, threads: int, n_rollouts
         "spans": totals["spans"], "seconds": elapsed, "requests": totals["requests"], "errors": totals["errors"],
         "mean_latency_ms": 1000 * totals["latency_s"] / max(totals["requests"], 1),
         "stored_before": stats0.get("total_spans"), "stored_after": stats1.get("total_spans"),
-        "warm_spans": warm_spans, "server_cpu_s": cpu1 - cpu0, "client_cpu_s": client_cpu1 - client_cpu0, "rate_first_last": _first_last(samples), "peak_rss_mb": peak_rss, "boot_s": boot_s,
+        "warm_spans": warm_spans, "server_cpu_s": cpu1 - cpu0, "client_cpu_s": client_cpu1 - client_cpu0,
+        "rate_first_last": _first_last(samples), "peak_rss_mb": peak_rss, "boot_s": boot_s,
         "server_log_lines": len(log_lines), "server_log_head": log_lines[:3],
     }
 
@@ -353,7 +354,8 @@ def main() -> None:
         f"everything is held in Python memory (pydantic Span objects), nothing persisted",
         f"server used {r['server_cpu_s']:.1f} CPU-s in the window = "
         f"{r['spans'] / max(r['server_cpu_s'], 1e-9):.0f} spans per server CPU-second (1 core busy at most, "
-        f"the asyncio server is single-threaded); client used {r['client_cpu_s']:.1f} CPU-s; spans/s first 5 s {r['rate_first_last'][0]:.0f}, "
+        f"the asyncio server is single-threaded); client used {r['client_cpu_s']:.1f} CPU-s; "
+        f"spans/s first 5 s {r['rate_first_last'][0]:.0f}, "
         f"last 5 s {r['rate_first_last'][1]:.0f}",
         f"load average before run {load_before:.2f} on {os.cpu_count()} cores",
         f"peak_rss_mb is the server process VmHWM; server boot {r['boot_s']:.1f} s; "

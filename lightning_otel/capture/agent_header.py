@@ -7,7 +7,8 @@ gateway sees a request before any of those spans is exported (a span is exported
 look them up; the agent process has them all, open. `LiveSpans` (a span processor the distro installs) keeps
 the open spans of the process; when the OpenAI client builds a request, the span its `traceparent` names (the
 LLM span, else the current span) is walked up through them to the nearest agent/task/node, whose name goes in
-the header (percent-encoded: names may hold any text). The gateway routes by it (one adapter per agent: serve/adapters.py). No agent above the call: no
+the header (percent-encoded: names may hold any text). The gateway routes by it (one adapter per agent:
+serve/adapters.py). No agent above the call: no
 header. A header the caller set is kept.
 
 Installed by the distro (`install()`): the wrap applies when `openai._base_client` is first imported; light: no

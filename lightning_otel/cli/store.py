@@ -112,7 +112,8 @@ def cmd_feedback(args: argparse.Namespace) -> int:
             author = None
     row = client.write_feedback(args.db, Feedback(rollout_id=args.rollout, span_id=args.span, name=args.name,
                                                   value=args.value, comment=args.comment, author=author))
-    target = f"span {row['span_id']} of rollout {row['rollout_id']}" if row["span_id"] else f"rollout {row['rollout_id']}"
+    target = (f"span {row['span_id']} of rollout {row['rollout_id']}" if row["span_id"]
+              else f"rollout {row['rollout_id']}")
     print(f"stored {row['name']} = {row['value']:g} for {target}" + (f" by {row['author']}" if row["author"] else ""))
     return 0
 
@@ -259,7 +260,8 @@ def register(sub) -> None:
     p.add_argument("--header", action="append", default=[], metavar="K=V",
                    help="a header for --otlp's requests, e.g. Authorization='Basic <key>' (repeatable)")
     p.add_argument("--reward", metavar="NAME", help="the reward name lightning.reward and lightning.advantage carry "
-                                                    "when rollouts have several (each also gets lightning.reward.<name>)")
+                                                    "when rollouts have several "
+                                                    "(each also gets lightning.reward.<name>)")
     p.add_argument("--batch-spans", type=int, default=1000, help="spans per request (default: 1000)")
     p.add_argument("--retry-s", type=float, default=60.0,
                    help="how long one request is retried while the endpoint is down or busy (default: 60)")

@@ -156,7 +156,8 @@ class AgentWorker:
     def __init__(self, agent: AgentFunction, argv: list[str], env: dict[str, str],
                  start_timeout_s: float = START_TIMEOUT_S):
         self.agent = agent
-        self.argv = argv  # the worker's command (opentelemetry-instrument python -m lightning_otel.capture.agent_worker SPEC)
+        # the worker's command (opentelemetry-instrument python -m lightning_otel.capture.agent_worker SPEC)
+        self.argv = argv
         self.env = env
         self.start_timeout_s = start_timeout_s
         self.started = 0  # worker processes started, restarts included

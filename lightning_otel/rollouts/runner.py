@@ -524,7 +524,8 @@ def run_rollouts(config: RolloutConfig, progress: Callable[[RolloutResult, int, 
 
 def start_gateway(config: RolloutConfig, collector_info, engine, owned):
     """The gateway forwarding to config.base_url (an outside endpoint), or over `engine`, or over a vLLM engine
-    started here serving config.model: a policy as eval and serve take it (the bundled model by default, a run folder's best checkpoint, a checkpoint, an adapter or a
+    started here serving config.model: a policy as eval and serve take it (the bundled model by default, a run
+    folder's best checkpoint, a checkpoint, an adapter or a
     model folder: lightning_otel.serve.policy)."""
     from lightning_otel.serve.chat_tools import read_chat_template, template_tools
     from lightning_otel.serve.engine import default_engine_python

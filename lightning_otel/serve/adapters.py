@@ -76,8 +76,8 @@ def adapter_for(adapters: dict[str, str], requested_model: str | None, agent: st
     return adapter_of_agent(adapters, agent)
 
 
-__all__ = ["ADAPTER_ATTRIBUTE", "AGENT_ATTRIBUTE", "AGENT_HEADER", "header_agent", "MANIFEST", "adapter_for", "adapter_of_agent", "agent_regex",
-           "check_adapters"]
+__all__ = ["ADAPTER_ATTRIBUTE", "AGENT_ATTRIBUTE", "AGENT_HEADER", "header_agent", "MANIFEST", "adapter_for",
+           "adapter_of_agent", "agent_regex", "check_adapters"]
 
 
 def header_agent(headers: dict[str, str]) -> str | None:

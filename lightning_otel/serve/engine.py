@@ -492,7 +492,8 @@ class VLLMEngine:
     def _sampling_request(self, path: str, body: dict, stream: bool, model: str | None = None) -> dict:
         """`body` for the current policy, asking for token ids and sampling logprobs (a number on the legacy
         completions route), and in a stream for the usage last."""
-        upstream = {**body, "model": model or self.model_name, "return_token_ids": True, "logprobs": True, "stream": stream}
+        upstream = {**body, "model": model or self.model_name, "return_token_ids": True, "logprobs": True,
+                    "stream": stream}
         if path.endswith("/completions") and not path.endswith("/chat/completions"):
             upstream["logprobs"] = 0
         upstream.pop("stream_options", None)

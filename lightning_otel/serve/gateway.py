@@ -463,7 +463,8 @@ class Gateway:
         requested_model = str(body.get("model") or self.outside.model_name)  # type: ignore[union-attr]
         request = forward.outside_request(self.outside, request, self.config.max_tokens_cap)  # type: ignore[arg-type]
         self._apply_overrides(request)
-        base = forward.call_attributes(self.outside, request, requested_model, rollout_id, patch)  # type: ignore[arg-type]
+        base = forward.call_attributes(self.outside, request, requested_model,  # type: ignore[arg-type]
+                                       rollout_id, patch)
         if (agent := header_agent(headers)) is not None:
             base[AGENT_ATTRIBUTE] = agent
 
@@ -479,7 +480,8 @@ class Gateway:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return forward.forward_stream(self.outside, request, headers, base, record,  # type: ignore[arg-type]
                                           requested_model, include_usage, response_id)
-        return forward.forward_whole(self.outside, request, headers, base, record, response_id)  # type: ignore[arg-type]
+        return forward.forward_whole(self.outside, request, headers, base, record,  # type: ignore[arg-type]
+                                     response_id)
 
     # ---- legacy completions ----------------------------------------------------------------------------
 

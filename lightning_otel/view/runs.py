@@ -121,7 +121,8 @@ def runs_page(run: Path | None) -> str:
     served = served_each_round(curve)
     check = ("every round was served the checkpoint of the round before" if served else
              "a round was not served the previous round's checkpoint (or no round recorded its served version)")
-    return (f'<p>run folder <code>{esc(run)}</code> · {len(curve)} rounds · <span class="{"ok" if served else "err"}">'
+    return (f'<p>run folder <code>{esc(run)}</code> · {len(curve)} rounds · '
+            f'<span class="{"ok" if served else "err"}">'
             f'{esc(check)}</span></p><div class="charts">{"".join(charts)}</div>'
             + table(["round", "reward", "val reward", "version", "served", "first ratio", "clip fraction",
                      "zero-variance groups", "rollout s", "train s", ""], rows, "rounds"))

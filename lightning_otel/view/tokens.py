@@ -93,7 +93,8 @@ def transition_block(row: dict, texts: TokenText) -> str:
                             f' style="background-color:{advantage_colour(advantage, masked)}"',
                             f' data-index="{index}" data-token-id="{token_id}" data-advantage="{esc(advantage)}"'
                             f' data-logprob="{esc(logprob)}" data-mask="{0 if masked else 1}"'))
-    head = (f'turn {esc(row["turn"])} · agent {esc(row.get("agent") or "–")} · reward {esc(fmt(row.get("reward")))} · '
+    head = (f'turn {esc(row["turn"])} · agent {esc(row.get("agent") or "–")} · '
+            f'reward {esc(fmt(row.get("reward")))} · '
             f'return {esc(fmt(row.get("return")))} · advantage <strong>{esc(fmt(row["advantage"], 4))}</strong> · '
             f'{len(prompt)} prompt + {len(completion)} completion tokens')
     return (f'<section class="transition" data-turn="{esc(row["turn"])}"><h3>{head}</h3>'
@@ -119,7 +120,8 @@ def transitions_page(source: StoreSource, parquet: Path | list[Path] | None, tex
     legend = ('<p class="legend">Completion tokens: <span class="tok" style="background-color:'
               f'{advantage_colour(1.5)}">pushed up</span> <span class="tok" style="background-color:'
               f'{advantage_colour(-1.5)}">pushed down</span> (colour strength: |advantage| up to 2) · '
-              '<span class="tok prompt">prompt tokens dimmed</span> · hover a token for its logprob and loss mask.</p>')
+              '<span class="tok prompt">prompt tokens dimmed</span> · '
+              'hover a token for its logprob and loss mask.</p>')
     blocks = "".join(transition_block(row, texts) for row in frame.to_dicts())
     note = f'<p class="muted">{esc(texts.problem)}</p>' if texts.problem else ""
     return f'<p>{back} · from {esc(where)}</p>{legend}{note}<div id="transitions">{blocks}</div>'

@@ -220,5 +220,5 @@ def write_patch(candidate: dict[str, str], components: list[Component], folder: 
     return path
 
 
-__all__ = ["Component", "component_of", "components_from_rows", "discover_components", "seed_candidate", "candidate_key",
-           "candidate_patch", "write_patch", "with_demos", "demos_of", "changes", "BASE", "DEMOS"]
+__all__ = ["Component", "component_of", "components_from_rows", "discover_components", "seed_candidate",
+           "candidate_key", "candidate_patch", "write_patch", "with_demos", "demos_of", "changes", "BASE", "DEMOS"]

@@ -47,10 +47,11 @@ class DemosOutcome:
     pool: dict[str, int]        # demonstrations available per component
 
 
-def demo_pair(call: dict, syntax: ToolFormat | None = None) -> dict | None:
+def demo_pair(call: dict, syntax: ToolFormat | None = None, opening: list[dict] | None = None) -> dict | None:
     """(user, assistant) of a call that opened its conversation with one user message and answered in text, or
-    with tool calls when `syntax` is given (the answer is then its text and the calls in that syntax)."""
-    opening = conversation(call["input_messages"])
+    with tool calls when `syntax` is given (the answer is then its text and the calls in that syntax). `opening`:
+    the call's conversation after its system message, where the caller has it already."""
+    opening = conversation(call["input_messages"]) if opening is None else opening
     if len(opening) != 1 or opening[0].get("role") != "user":
         return None
     answers = stored_messages(call["output_messages"])
@@ -72,13 +73,15 @@ def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: l
     (read_calls), `rewards` by rollout id."""
     pool: dict[str, list[dict]] = {c.name: [] for c in components}
     seen: dict[tuple[str, str], dict] = {}
-    corrected = _answered_back(calls, components)
-    for call in calls:
+    # each call's component and conversation, read once: the corrections and the pairs both need them
+    named = [(call, getattr(component_of(components, call["system"]), "name", None),
+              conversation(call["input_messages"])) for call in calls if call["system"] is not None]
+    corrected = _answered_back(named)
+    for call, name, opening in named:
         reward = rewards.get(call["rollout_id"])
-        if reward is None or reward < min_reward or call["system"] is None:
+        if reward is None or reward < min_reward or name is None:
             continue
-        name = getattr(component_of(components, call["system"]), "name", None)
-        pair = demo_pair(call, syntax) if name else None
+        pair = demo_pair(call, syntax, opening)
         if pair is None or (call["rollout_id"], name, pair["user"]) in corrected:
             continue
         pair["reward"] = float(reward)
@@ -91,20 +94,13 @@ def demo_pool(calls: list[dict], rewards: dict[str, float | None], components: l
     return pool
 
 
-def _answered_back(calls: list[dict], components: list[Component]) -> set[tuple[str, str, str]]:
+def _answered_back(named: list[tuple[dict, str | None, list[dict]]]) -> set[tuple[str, str, str]]:
     """(rollout id, component, opening user text) of the conversations whose later calls carry a user message
-    after the opening one: the agent's code answered the model back (e.g. with an error to correct)."""
-    found = set()
-    for call in calls:
-        if call["system"] is None:
-            continue
-        opening = conversation(call["input_messages"])
-        if len(opening) > 1 and opening[0].get("role") == "user" \
-                and any(m.get("role") == "user" for m in opening[1:]):
-            name = getattr(component_of(components, call["system"]), "name", None)
-            if name:
-                found.add((call["rollout_id"], name, message_text(opening[0]).strip()))
-    return found
+    after the opening one: the agent's code answered the model back (e.g. with an error to correct). `named`:
+    (call, its component's name or None, its conversation after the system message)."""
+    return {(call["rollout_id"], name, message_text(opening[0]).strip()) for call, name, opening in named
+            if name and len(opening) > 1 and opening[0].get("role") == "user"
+            and any(m.get("role") == "user" for m in opening[1:])}
 
 
 def demo_sets(pool: dict[str, list[dict]], k: int, count: int, seed: int) -> list[tuple[str, list[dict]]]:

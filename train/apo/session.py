@@ -1,5 +1,6 @@
 """What the optimiser runs on: the run's store (a collector on `<output_dir>/traces.duckdb`), the engine that
-serves the policy (none for an outside endpoint, `base_url`: the gateway forwards to it), and, for an agent function, one worker process for every rollout. `run_batch` runs the
+serves the policy (none for an outside endpoint, `base_url`: the gateway forwards to it), and, for an agent
+function, one worker process for every rollout. `run_batch` runs the
 rollouts of one candidate through a gateway that applies the candidate's patch (lightning_otel.rollouts.runner),
 and reports each task's result as soon as its `n` rollouts are scored.
 """
