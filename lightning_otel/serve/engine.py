@@ -205,8 +205,8 @@ def auto_dtype() -> str:
 # were no slower, and 16 one-call requests ran 1.6x as fast (benchmarks/engine_cores.py, RESULTS.md).
 # With every core bound, any other busy process (an asynchronous round's learner, the agents, a test suite's
 # other worker) takes a core from one of the engine's threads, and OpenMP's default wait policy has the others
-# spin at every barrier until it gets it back: with one busy process beside it, 16 requests took 2.8x as long
-# as alone. Threads that sleep while they wait (OMP_WAIT_POLICY=PASSIVE) took 1.3x, and were as fast alone
+# spin at every barrier until it gets it back: with one busy process beside it, 16 requests took 3.2x as long
+# as alone. Threads that sleep while they wait (OMP_WAIT_POLICY=PASSIVE) took 1.9x, and were as fast alone
 # (benchmarks/engine_contention.py, RESULTS.md).
 SMALL_MACHINE_CORES = 4
 
