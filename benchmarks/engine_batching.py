@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
 from lightning_otel.serve.model import resolve_model
@@ -37,6 +39,42 @@ def timed(engine, bodies: list[dict], concurrency: int) -> tuple[float, int]:
     with ThreadPoolExecutor(concurrency) as pool:
         answers = list(pool.map(lambda body: engine.generate("/v1/chat/completions", body), bodies))
     return time.perf_counter() - started, sum(len(a["choices"][0]["token_ids"]) for a in answers)
+
+
+def comparison_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that compares engines started two ways on these requests: runs, concurrency,
+    the requests and the model (engine_cores.py, engine_contention.py)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--model", default="bundled")
+    return p
+
+
+def model_and_requests(args: argparse.Namespace) -> tuple[str, Path, list[dict]]:
+    """(the engine's Python, the model folder, the request bodies) that comparison_parser's options name."""
+    python = default_engine_python()
+    return python, resolve_model(args.model, python), requests(args.questions, args.samples, args.max_tokens)
+
+
+def engine_started_with(model_dir: Path, python: str, log_path: Path, **environ: str) -> VLLMEngine:
+    """A started engine whose process saw these environment variables (the engine passes its environment on to
+    vLLM); this process's own are put back once it has started."""
+    before = {key: os.environ.get(key) for key in environ}
+    os.environ.update(environ)
+    try:
+        engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=log_path))
+        engine.start()
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+    return engine
 
 
 def main(argv: list[str] | None = None) -> dict:

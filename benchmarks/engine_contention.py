@@ -14,7 +14,6 @@ speed against the active one's. Writes nothing outside a temporary folder for th
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,9 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.engine_batching import requests, timed
-from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
-from lightning_otel.serve.model import resolve_model
+from benchmarks.engine_batching import comparison_parser, engine_started_with, model_and_requests, timed
 
 POLICIES = ("ACTIVE", "PASSIVE")
 BUSY = "while True:\n    sum(i * i for i in range(10_000))\n"
@@ -34,16 +31,7 @@ BUSY = "while True:\n    sum(i * i for i in range(10_000))\n"
 def run_once(model_dir: Path, python: str, policy: str, bodies: list[dict], concurrency: int,
              log_path: Path) -> dict[str, float]:
     """One engine started with OMP_WAIT_POLICY=policy: seconds for the requests alone, then beside a busy process."""
-    before = os.environ.get("OMP_WAIT_POLICY")
-    os.environ["OMP_WAIT_POLICY"] = policy  # the engine passes the environment on to vLLM; a set one wins
-    try:
-        engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=log_path))
-        engine.start()
-    finally:
-        if before is None:
-            os.environ.pop("OMP_WAIT_POLICY")
-        else:
-            os.environ["OMP_WAIT_POLICY"] = before
+    engine = engine_started_with(model_dir, python, log_path, OMP_WAIT_POLICY=policy)  # a set one wins
     try:
         timed(engine, bodies[:2], 2)  # warm-up, not counted
         alone, _ = timed(engine, bodies, concurrency)
@@ -60,14 +48,8 @@ def run_once(model_dir: Path, python: str, policy: str, bodies: list[dict], conc
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--model", default="bundled")
-    args = p.parse_args(argv)
-    python = default_engine_python()
-    model_dir = resolve_model(args.model, python)
-    bodies = requests(4, 4, 32)
+    args = comparison_parser(__doc__).parse_args(argv)
+    python, model_dir, bodies = model_and_requests(args)
     totals = {policy: {"alone": 0.0, "beside a busy process": 0.0} for policy in POLICIES}
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):

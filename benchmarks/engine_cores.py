@@ -13,16 +13,13 @@ outside a temporary folder for the engine logs.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import tempfile
 from pathlib import Path
 
-from benchmarks.engine_batching import requests, timed
-from lightning_otel.serve.engine import EngineConfig, VLLMEngine, default_engine_python
-from lightning_otel.serve.model import resolve_model
+from benchmarks.engine_batching import comparison_parser, engine_started_with, model_and_requests, timed
 
 SETTINGS = {"one kept (vLLM default)": "1", "none kept": "0"}
 
@@ -30,16 +27,7 @@ SETTINGS = {"one kept (vLLM default)": "1", "none kept": "0"}
 def run_once(model_dir: Path, python: str, reserved: str, bodies: list[dict], concurrency: int,
              log_path: Path) -> tuple[float, int, list[str]]:
     """One engine with VLLM_CPU_NUM_OF_RESERVED_CPU=reserved: (seconds, tokens, reserved counts in its log)."""
-    before = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved  # the engine passes the environment on to vLLM
-    try:
-        engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=log_path))
-        engine.start()
-    finally:
-        if before is None:
-            os.environ.pop("VLLM_CPU_NUM_OF_RESERVED_CPU")
-        else:
-            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = before
+    engine = engine_started_with(model_dir, python, log_path, VLLM_CPU_NUM_OF_RESERVED_CPU=reserved)
     try:
         timed(engine, bodies[:2], 2)  # warm-up, not counted
         seconds, tokens = timed(engine, bodies, concurrency)
@@ -49,17 +37,8 @@ def run_once(model_dir: Path, python: str, reserved: str, bodies: list[dict], co
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--questions", type=int, default=4)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--model", default="bundled")
-    args = p.parse_args(argv)
-    python = default_engine_python()
-    model_dir = resolve_model(args.model, python)
-    bodies = requests(args.questions, args.samples, args.max_tokens)
+    args = comparison_parser(__doc__).parse_args(argv)
+    python, model_dir, bodies = model_and_requests(args)
     totals = {name: [0.0, 0] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):
