@@ -49,6 +49,10 @@ def pytest_configure(config):
     # went from 1 s to 2 min with two workers on two busy cores). Each worker takes its share of the cores.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1:
+        # The processes the tests start (trainers, agents, the engine) take every core, with OpenMP threads that
+        # spin while they wait: beside the other worker they sleep instead (set before torch loads OpenMP). On a
+        # 2-core AVX2 machine beside one busy process the killed-run test took 114 s instead of 295 (RESULTS.md).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         try:
             import torch
         except ImportError:  # the floors environment has no torch

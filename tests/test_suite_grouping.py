@@ -1,7 +1,8 @@
 """The suite's own scheduling: under pytest-xdist (`make test`, two workers, --dist loadgroup) every test that uses
 the shared engine runs in one worker, so the session starts one vLLM engine, not one per worker, and the tests
 marked runs_last (the floors and sanitizer runs) run in the other worker beside them; a test that starts an
-engine of its own (own_engine) is in no group. The grouping
+engine of its own (own_engine) is in no group; and what the tests start has OpenMP threads that sleep while they
+wait. The grouping
 rests on conftest.py's hook and on pytest-xdist renaming node ids, which some pytest releases ignore (9.2 with
 xdist 3.8): there every engine test could land in either worker and each worker started an engine of its own."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 CONFTEST = '''
 import pytest
-from tests.conftest import pytest_collection_modifyitems  # the suite's own hook, as it is
+from tests.conftest import pytest_collection_modifyitems, pytest_configure  # the suite's own hooks, as they are
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +39,8 @@ LOG = Path(__file__).parent / "workers.jsonl"
 def record(name, seconds):
     time.sleep(seconds)
     with LOG.open("a") as f:
-        f.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER")}) + "\\n")
+        f.write(json.dumps({"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+                            "wait_policy": os.environ.get("OMP_WAIT_POLICY")}) + "\\n")
 
 
 @pytest.mark.parametrize("i", range(6))
@@ -69,7 +71,7 @@ def test_engine_tests_share_one_xdist_worker(tmp_path):
                                          "    needs_engine: vLLM\n    own_engine: its own vLLM\n")
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_grouped.py").write_text(TESTS)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}, "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                              "--dist", "loadgroup", str(tmp_path)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
@@ -87,3 +89,5 @@ def test_engine_tests_share_one_xdist_worker(tmp_path):
     assert last["worker"] not in engine_workers, runs
     assert max(order.index(f"plain-{i}") for i in range(6)) < order.index("last"), order
     assert order.index("last") < max(i for i, name in enumerate(order) if name.startswith("engine-")), order
+    # what the tests start beside the other worker has OpenMP threads that sleep while they wait (conftest)
+    assert {r["wait_policy"] for r in runs} == {"PASSIVE"}, runs
