@@ -21,7 +21,9 @@ ranks must reach at the same path (one machine, or a shared file system across n
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -43,8 +45,31 @@ def init() -> None:
     if launched() and not torch.distributed.is_initialized():
         import deepspeed
 
-        deepspeed.init_distributed(timeout=FOLLOW_TIMEOUT)
+        with without_shm_collective():
+            deepspeed.init_distributed(timeout=FOLLOW_TIMEOUT)
         log.info("rank %d of %d (%s)", rank(), world(), torch.distributed.get_backend())
+
+
+@contextlib.contextmanager
+def without_shm_collective():
+    """Start DeepSpeed's process group (deepspeed.initialize, init_distributed) without its CPU shared-memory
+    all-reduce. DeepSpeed compiles that op (deepspeed_shm_comm) for its inference all-reduce, which training
+    never calls (its collectives go through the process group: gloo on a CPU). The compile takes about 30 s in
+    each new Python environment, under torch's build lock: a file that the compiling process removes when it is
+    done. A process killed while compiling leaves the file behind, and every later run on the machine then
+    waits for it forever without a word (it hung a whole test suite). Without the op there is nothing to
+    compile and nothing to wait for; DeepSpeed's inference all-reduce falls back to the process group's."""
+    # by its module's name: deepspeed.comm's attribute `torch` is torch itself
+    backend = importlib.import_module("deepspeed.comm.torch")
+    build = getattr(backend, "build_shm_op", None)
+    if build is None:  # a DeepSpeed without the op
+        yield
+        return
+    backend.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        backend.build_shm_op = build
 
 
 def rank() -> int:

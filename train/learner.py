@@ -3,9 +3,10 @@ DeepSpeed engine; its reference policy (adapters disabled); saving what the roll
 
 DeepSpeed outside its launcher needs the torch.distributed variables (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT; else it tries MPI): `distributed_env()` sets them for a one-process run unless a
-launcher did. On CPU it uses gloo and compiles its shared-memory collective once (~30 s, cached under
-TORCH_EXTENSIONS_DIR). When LOCAL_SIZE is set (the deepspeed launcher does; a one-process run here does not) the
-op creates an allreduce buffer in /dev/shm that outlives the process: `close()` removes it.
+launcher did. On CPU it uses gloo, and starts without the shared-memory collective it would compile first
+(distributed.without_shm_collective: training never calls it, and a build killed halfway hangs later runs).
+Should a DeepSpeed build it anyway with LOCAL_SIZE set (the deepspeed launcher sets it), the op leaves an
+allreduce buffer in /dev/shm behind: `close()` removes it.
 Under a launcher with several ranks, rank 0's learner calls that change or save the policy are made by every
 rank (train/distributed.py).
 """
@@ -156,8 +157,9 @@ class Learner:
         self.trainable = sum(p.numel() for group in groups for p in group["params"])
         optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
         distributed_env()
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                                 config=deepspeed_config(config))
+        with distributed.without_shm_collective():
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                     config=deepspeed_config(config))
         self.critic = None
         if config.advantage in CRITIC_ADVANTAGES:
             self.critic = build_critic(config, self.model_dir, self.module, self.tokenizer, self.world)
