@@ -223,7 +223,8 @@ def test_texts_of_one_sender_that_share_their_first_line_make_one_component_patc
     assert lead.prefix and lead.system == SQL_LEAD and lead.calls == 5 and lead.agents == ()
     assert sum(c.name.startswith("writer@") for c in components.values()) == 2
     unseen = schema_text("concert")  # a database no seed rollout asked about
-    assert lead.matches(unseen) and not lead.matches("You write SQLite queries.") and not lead.matches(None)
+    assert component_of([lead], unseen) is lead
+    assert component_of([lead], "You write SQLite queries.") is None and component_of([lead], None) is None
     exact = Component("singer-only", schema_text("singer"), ())
     assert component_of([lead, exact], schema_text("singer")) is exact  # an exact text first, as at the gateway
     assert component_of([lead, exact], unseen) is lead and component_of([exact], unseen) is None

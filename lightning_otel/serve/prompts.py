@@ -37,7 +37,7 @@ import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, TypeVar
 
 from lightning_otel.errors import UserError
 
@@ -64,6 +64,25 @@ def normalised(text: str) -> str:
 def fingerprint(text: str, chars: int = FINGERPRINT_CHARS) -> str:
     """The short hex sha256 of a system text, normalised (module docstring)."""
     return hashlib.sha256(normalised(text).encode()).hexdigest()[:chars]
+
+
+T = TypeVar("T")
+
+
+def first_target(items: Iterable[T], text: str | None, fingerprints: Callable[[T], Iterable[str]],
+                 prefix: Callable[[T], str | None]) -> T | None:
+    """The item a call with system text `text` falls under, as the gateway decides (module docstring): the first
+    whose `fingerprints` name the text exactly (its normalised sha256 starts with one of them), else the first
+    whose normalised leading text (`prefix`, None for none) the normalised text starts with."""
+    if text is None:
+        return None
+    items = list(items)
+    flat = normalised(text)
+    digest = hashlib.sha256(flat.encode()).hexdigest()
+    exact = next((item for item in items if any(digest.startswith(f) for f in fingerprints(item))), None)
+    if exact is not None:
+        return exact
+    return next((item for item in items if (lead := prefix(item)) is not None and flat.startswith(lead)), None)
 
 
 def normalised_end(text: str, length: int) -> int:
@@ -180,15 +199,7 @@ class PromptPatches:
 
     def find(self, messages: Any) -> PromptPatch | None:
         """The patch for a chat request with these messages, or None."""
-        text = system_text(messages)
-        if text is None:
-            return None
-        flat = normalised(text)
-        digest = hashlib.sha256(flat.encode()).hexdigest()
-        exact = next((p for p in self.patches if p.matches(digest)), None)
-        if exact is not None:
-            return exact
-        return next((p for p in self.patches if p.prefix is not None and flat.startswith(p.prefix)), None)
+        return first_target(self.patches, system_text(messages), lambda p: p.fingerprints, lambda p: p.prefix)
 
     def apply(self, body: dict) -> tuple[dict, PromptPatch | None]:
         """The chat request as the engine should get it, and the patch applied (None: `body` itself, untouched).

@@ -21,7 +21,7 @@ from gepa.core.adapter import EvaluationBatch
 
 from lightning_otel.rollouts.runner import Task
 from lightning_otel.serve.prompt_export import recorded_system
-from lightning_otel.train.apo.candidates import DEMOS, Component
+from lightning_otel.train.apo.candidates import DEMOS, Component, component_of
 from lightning_otel.train.apo.evaluation import Evaluator, TaskResult
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,8 @@ class GatewayAdapter:
             for trajectory in trajectories:
                 result: TaskResult = trajectory["result"]
                 for index, rollout_id in enumerate(result.rollout_ids):
-                    mine = [c for c in by_rollout.get(rollout_id, []) if component.matches(c["system"])]
+                    mine = [c for c in by_rollout.get(rollout_id, [])
+                            if component_of(self.components, c["system"]) is component]
                     for call in mine[:CALLS_PER_TASK]:
                         records.append({
                             "Inputs": {"task": cut(json.dumps(trajectory["task"], ensure_ascii=False), 300),

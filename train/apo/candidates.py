@@ -29,7 +29,7 @@ from pathlib import Path
 
 from lightning_otel.errors import UserError
 from lightning_otel.serve.prompt_export import recorded_system
-from lightning_otel.serve.prompts import fingerprint, normalised, parse_patches
+from lightning_otel.serve.prompts import fingerprint, first_target, normalised, parse_patches
 
 DEMOS = "::demos"
 BASE = "base"
@@ -57,18 +57,12 @@ class Component:
     def fingerprint(self) -> str:
         return fingerprint(self.system)
 
-    def matches(self, text: str | None) -> bool:
-        """Whether a call that sent system text `text` is one of this component's."""
-        if text is None:
-            return False
-        return normalised(text).startswith(normalised(self.system)) if self.prefix else \
-            fingerprint(text) == self.fingerprint
-
 
 def component_of(components: list[Component], text: str | None) -> Component | None:
-    """The component a call with system text `text` belongs to: an exact text first, as the gateway's patches."""
-    return next((c for c in components if not c.prefix and c.matches(text)), None) or \
-        next((c for c in components if c.prefix and c.matches(text)), None)
+    """The component a call with system text `text` belongs to, as the gateway matches its patches: an exact
+    text first, then a leading text."""
+    return first_target(components, text, lambda c: () if c.prefix else (c.fingerprint,),
+                        lambda c: normalised(c.system) if c.prefix else None)
 
 
 def first_line(text: str) -> str:
