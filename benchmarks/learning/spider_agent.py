@@ -266,7 +266,7 @@ def main() -> None:
                 print(label, json.dumps(results[label]), "(from the earlier run)", flush=True)
             else:
                 began = time.perf_counter()
-                if policy.adapter is None:  # full weights (the base model's or merged): the engine restarts on them
+                if policy.adapter is None:  # full weights (the base model's or merged): the engine loads them
                     engine.load_model(policy.base_model, policy.version)
                 summary = evaluate(EvalConfig(tasks=tasks["eval"], agent=agent, report=report.parent,
                                               reward="spider_exec", n=1, model=model, max_tokens=args.max_tokens,
