@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,19 +60,9 @@ def model_and_requests(args: argparse.Namespace) -> tuple[str, Path, list[dict]]
 
 
 def engine_started_with(model_dir: Path, python: str, log_path: Path, **environ: str) -> VLLMEngine:
-    """A started engine whose process saw these environment variables (the engine passes its environment on to
-    vLLM); this process's own are put back once it has started."""
-    before = {key: os.environ.get(key) for key in environ}
-    os.environ.update(environ)
-    try:
-        engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=log_path))
-        engine.start()
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
+    """A started engine whose process saw these environment variables (EngineConfig.env)."""
+    engine = VLLMEngine(EngineConfig(model_dir=model_dir, python=python, log_path=log_path, env=environ))
+    engine.start()
     return engine
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lightning_otel.errors import UserError
-from lightning_otel.serve.engine import EngineConfig, engine_env
+from lightning_otel.serve.engine import EngineConfig, engine_cpu_env, engine_env
 from lightning_otel.serve.hub import hub_model_of_path, parse_hub_id, recorded_model, resolve_hub_model
 from lightning_otel.serve.model import bundled_model_dir, resolve_model
 from lightning_otel.serve.policy import resolve_policy
@@ -197,6 +197,22 @@ def test_the_engine_is_not_forced_offline(tmp_path):
     assert "HF_HUB_OFFLINE" not in env and "OTEL_SERVICE_NAME" not in env and env["PATH"] == "/bin"
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert engine_env(config, {"HF_HUB_OFFLINE": "1"})["HF_HUB_OFFLINE"] == "1"  # the user's setting passes
+
+
+def test_an_engines_own_environment_counts_as_the_users(tmp_path):
+    """EngineConfig.env: over this process's environment, and like a setting the user exported it wins over the
+    engine's CPU settings (engine_cpu_env), for this engine only."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    own = {"OMP_WAIT_POLICY": "ACTIVE", "VLLM_CPU_OMP_THREADS_BIND": "0", "PATH": "/usr/bin",
+           "OTEL_SERVICE_NAME": "x"}
+    env = engine_env(EngineConfig(model_dir=folder, python="python", env=own), {"PATH": "/bin"})
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env and env["PATH"] == "/usr/bin" and "OTEL_SERVICE_NAME" not in env
+    plain = engine_env(EngineConfig(model_dir=folder, python="python"), {"PATH": "/bin"})
+    assert plain["PATH"] == "/bin" and "VLLM_CPU_OMP_THREADS_BIND" not in plain
+    assert plain.get("OMP_WAIT_POLICY") == engine_cpu_env({}).get("OMP_WAIT_POLICY")  # PASSIVE on a small CPU
 
 
 def make_hub_run(root: Path, hub_model: str, base_dir: Path) -> Path:

