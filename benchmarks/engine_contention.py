@@ -21,11 +21,43 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from benchmarks.engine_batching import comparison_parser, engine_started_with, model_and_requests, timed
 
 POLICIES = ("ACTIVE", "PASSIVE")
 BUSY = "while True:\n    sum(i * i for i in range(10_000))\n"
+
+
+def alone_and_beside_busy(measure: Callable[[], float]) -> dict[str, float]:
+    """Seconds `measure()` takes alone, then beside a busy process."""
+    alone = measure()
+    busy = subprocess.Popen([sys.executable, "-c", BUSY])
+    try:
+        time.sleep(1)
+        beside = measure()
+    finally:
+        busy.kill()
+        busy.wait()
+    return {"alone": alone, "beside a busy process": beside}
+
+
+def alternated(policies: tuple[str, str], repeats: int, run: Callable[[str, int], dict[str, float]]) -> dict:
+    """`run(policy, repeat)` for each repeat and policy, the two alternating; prints each run's seconds, then the
+    summary (each policy's seconds summed over its runs, and the second's speed against the first's)."""
+    totals = {policy: {"alone": 0.0, "beside a busy process": 0.0} for policy in policies}
+    for repeat in range(repeats):
+        for policy in policies:
+            seconds = run(policy, repeat)
+            for key, value in seconds.items():
+                totals[policy][key] += value
+            print(f"run {repeat + 1} {policy}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
+                  flush=True)
+    first, second = policies
+    summary = {"cpus": len(os.sched_getaffinity(0)), "seconds": totals,
+               f"{second.lower()}_speedup": {key: totals[first][key] / totals[second][key] for key in totals[first]}}
+    print(json.dumps(summary))
+    return summary
 
 
 def run_once(model_dir: Path, python: str, policy: str, bodies: list[dict], concurrency: int,
@@ -34,36 +66,17 @@ def run_once(model_dir: Path, python: str, policy: str, bodies: list[dict], conc
     engine = engine_started_with(model_dir, python, log_path, OMP_WAIT_POLICY=policy)  # a set one wins
     try:
         timed(engine, bodies[:2], 2)  # warm-up, not counted
-        alone, _ = timed(engine, bodies, concurrency)
-        busy = subprocess.Popen([sys.executable, "-c", BUSY])
-        try:
-            time.sleep(1)
-            beside, _ = timed(engine, bodies, concurrency)
-        finally:
-            busy.kill()
-            busy.wait()
+        return alone_and_beside_busy(lambda: timed(engine, bodies, concurrency)[0])
     finally:
         engine.stop()
-    return {"alone": alone, "beside a busy process": beside}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = comparison_parser(__doc__).parse_args(argv)
     python, model_dir, bodies = model_and_requests(args)
-    totals = {policy: {"alone": 0.0, "beside a busy process": 0.0} for policy in POLICIES}
     with tempfile.TemporaryDirectory() as folder:
-        for repeat in range(args.repeats):
-            for policy in POLICIES:
-                seconds = run_once(model_dir, python, policy, bodies, args.concurrency,
-                                   Path(folder) / f"engine-{repeat}-{policy}.log")
-                for key, value in seconds.items():
-                    totals[policy][key] += value
-                print(f"run {repeat + 1} {policy}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
-                      flush=True)
-    summary = {"cpus": len(os.sched_getaffinity(0)), "seconds": totals,
-               "passive_speedup": {key: totals["ACTIVE"][key] / totals["PASSIVE"][key] for key in totals["ACTIVE"]}}
-    print(json.dumps(summary))
-    return summary
+        return alternated(POLICIES, args.repeats, lambda policy, repeat: run_once(
+            model_dir, python, policy, bodies, args.concurrency, Path(folder) / f"engine-{repeat}-{policy}.log"))
 
 
 if __name__ == "__main__":

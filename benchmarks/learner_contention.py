@@ -13,13 +13,11 @@ seconds summed over its runs and the passive process's speed against the default
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import time
 
-from benchmarks.engine_contention import BUSY
+from benchmarks.engine_contention import alone_and_beside_busy, alternated
 from lightning_otel.serve.model import bundled_model_dir
 
 POLICIES = ("default", "PASSIVE")
@@ -55,36 +53,14 @@ def timed_steps(policy: str, steps: int, tokens: int) -> float:
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def run_once(policy: str, steps: int, tokens: int) -> dict[str, float]:
-    alone = timed_steps(policy, steps, tokens)
-    busy = subprocess.Popen([sys.executable, "-c", BUSY])
-    try:
-        time.sleep(1)
-        beside = timed_steps(policy, steps, tokens)
-    finally:
-        busy.kill()
-        busy.wait()
-    return {"alone": alone, "beside a busy process": beside}
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=192, help="tokens in each of the batch's 4 sequences")
     args = parser.parse_args(argv)
-    totals = {policy: {"alone": 0.0, "beside a busy process": 0.0} for policy in POLICIES}
-    for repeat in range(args.repeats):
-        for policy in POLICIES:
-            seconds = run_once(policy, args.steps, args.tokens)
-            for key, value in seconds.items():
-                totals[policy][key] += value
-            print(f"run {repeat + 1} {policy}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
-                  flush=True)
-    summary = {"cpus": len(os.sched_getaffinity(0)), "seconds": totals,
-               "passive_speedup": {key: totals["default"][key] / totals["PASSIVE"][key] for key in totals["default"]}}
-    print(json.dumps(summary))
-    return summary
+    return alternated(POLICIES, args.repeats,
+                      lambda policy, _: alone_and_beside_busy(lambda: timed_steps(policy, args.steps, args.tokens)))
 
 
 if __name__ == "__main__":
