@@ -1,18 +1,15 @@
 """The engine follows the machine: bf16 where it is native (a GPU, or a CPU with bf16 instructions), fp32
 elsewhere, where PyTorch computes bf16 in a slow fallback; on a CPU with few cores it computes on all of them,
-with threads that sleep while they wait, as the command line's own do."""
+with threads that sleep while they wait."""
 from __future__ import annotations
 
 import json
 import os
 import re
-import subprocess
-import sys
 
 import psutil
 import pytest
 
-from lightning_otel.cli import sleeping_threads
 from lightning_otel.serve.engine import SMALL_MACHINE_CORES, EngineConfig, VLLMEngine, engine_cpu_env, native_bf16
 from lightning_otel.errors import UserError
 
@@ -83,29 +80,6 @@ SMALL = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_WAIT_POLICY": "PASSIVE"}
 ])
 def test_a_cpu_engine_keeps_no_core_back_and_sleeps_while_waiting_on_a_small_machine(environ, cores, gpu, expected):
     assert engine_cpu_env(environ, cores=cores, gpu=gpu) == expected
-
-
-@pytest.mark.parametrize("environ, cores, gpu, expected", [
-    ({}, 2, False, "PASSIVE"),
-    ({}, SMALL_MACHINE_CORES + 1, False, None),
-    ({}, 2, True, None),
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, 2, False, "ACTIVE"),  # the user's setting wins
-])
-def test_the_command_line_has_sleeping_threads_on_a_small_cpu_machine(environ, cores, gpu, expected):
-    sleeping_threads(environ, cores=cores, gpu=gpu)
-    assert environ.get("OMP_WAIT_POLICY") == expected
-
-
-def test_a_command_sets_the_wait_policy_before_torch_is_loaded():
-    """`lightning-otel` in a process of its own: importing the command line loads no torch (whose OpenMP reads
-    the policy once, when loaded), and a command runs with the policy set."""
-    script = ("import os, sys\nfrom lightning_otel.cli import main\ntorch = 'torch' in sys.modules\n"
-              "main(['schema'])\nprint(torch, os.environ.get('OMP_WAIT_POLICY'))")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # conftest sets it under xdist
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
-                            check=True)
-    expected = engine_cpu_env({}).get("OMP_WAIT_POLICY")  # PASSIVE on this 2-core machine
-    assert result.stdout.splitlines()[-1] == f"False {expected}"
 
 
 def test_the_running_engine_computes_on_every_core_of_a_small_machine(engine):

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from lightning_otel import __version__
 from lightning_otel.cli import capture, demo, evaluate, optimize, policy, prompts, rollouts, store, train, view
 from lightning_otel.cli.quiet import quiet_third_parties
 from lightning_otel.errors import UserError
-from lightning_otel.serve.engine import engine_cpu_env
 
 GROUPS = (store, capture, rollouts, train, evaluate, view, policy, prompts, optimize, demo)
 
@@ -37,21 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def sleeping_threads(environ: dict[str, str] | None = None, cores: int | None = None,
-                     gpu: bool | None = None) -> None:
-    """On a CPU-only machine with few cores (the engine's rule, serve.engine.engine_cpu_env) the command and the
-    processes it starts (the learner, the agents) get OpenMP threads that sleep while they wait, as the engine's
-    do: OMP_WAIT_POLICY=PASSIVE, unless the user set it. Set before torch loads OpenMP (the commands import it
-    when they run). On 2 cores the learner's LoRA steps took 1.7x less time beside one busy process (an engine,
-    an agent) and 1.1x less alone (benchmarks/learner_contention.py, RESULTS.md)."""
-    environ = os.environ if environ is None else environ
-    policy = engine_cpu_env(environ, cores=cores, gpu=gpu).get("OMP_WAIT_POLICY")
-    if policy is not None:
-        environ["OMP_WAIT_POLICY"] = policy
-
-
 def main(argv: list[str] | None = None) -> int:
-    sleeping_threads()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
