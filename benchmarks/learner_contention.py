@@ -1,7 +1,7 @@
 """Does the learner's OpenMP wait policy matter on a machine with few cores? The same LoRA training steps on the
 bundled model (forward, backward and AdamW, as the learner takes them) in a process whose OpenMP threads wait
 as OpenMP does by default (OMP_WAIT_POLICY unset: they spin a while, then sleep; the peer) and in one whose
-threads sleep at once (PASSIVE: what `lightning-otel` sets on a machine with at most 4 cores), each timed alone
+threads sleep at once (PASSIVE: what the engine gets on a machine with at most 4 cores), each timed alone
 and then beside one busy process (a single-threaded Python loop, as the engine's scheduler, an agent or a test
 suite's other worker would be). One process at a time, the two alternating; torch takes every core.
 

@@ -161,9 +161,6 @@ class PromptPatch:
     description: str = ""
     prefix: str | None = None  # the normalised leading text of the system messages it applies to
 
-    def matches(self, digest: str) -> bool:
-        return any(digest.startswith(f) for f in self.fingerprints)
-
     def system(self, base: str) -> str:
         """The system text this patch makes of `base`: a prefix target's `replace` replaces the leading part."""
         if self.prefix is not None and self.action.replace is not None:
