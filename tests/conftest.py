@@ -78,6 +78,21 @@ def pytest_collection_modifyitems(config, items):
     # `make test` ran them before they joined the suite; under pytest-xdist the worker without the engine tests
     # takes them when done with the rest, while the engine tests still run in the other.
     items[:] = sorted(items, key=lambda item: item.get_closest_marker("runs_last") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """LIGHTNING_TEST_TIMINGS=file: one line per test (worker, start, seconds, node id) appended to that file,
+    to see which pytest-xdist worker paces `make test` (--durations names no worker and keeps 30 tests)."""
+    path = os.environ.get("LIGHTNING_TEST_TIMINGS")
+    start = time.time()
+    yield
+    if path:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(path, "a") as out:
+            out.write(f"{worker}\t{start:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
+
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
