@@ -96,6 +96,18 @@ def pytest_runtest_protocol(item, nextitem):
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+@pytest.fixture(scope="module")
+def plain_sdk_agents():
+    """For modules whose agents use the plain OpenAI SDK: the agents they start load only the openai
+    instrumentation (LIGHTNING_OTEL_INSTRUMENTATIONS, as the demo sets it), a start of about 4 s of CPU instead of
+    about 10 with every installed one (LangChain's and the Agents SDK's import their frameworks): 5 agents started
+    at once beside the engine tests took over 45 s otherwise. The framework tests load them all."""
+    from lightning_otel.capture.distro import ONLY_ENV
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ONLY_ENV, "openai")
+        yield
+
+
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "traces.duckdb"

@@ -30,6 +30,8 @@ from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.pool import round_tasks
 from test_train import AGENT, BIN, REPO, REWARD, killed_once, spider_tasks
 
+pytestmark = pytest.mark.usefixtures("plain_sdk_agents")  # its agents use the plain OpenAI SDK (conftest.py)
+
 BOUND_S = 20.0  # far above what any wait here takes
 
 

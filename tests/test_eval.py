@@ -27,6 +27,8 @@ from lightning_otel.tasks.spider import PACK as SPIDER
 from lightning_otel.tasks.spider.outcomes import SQL_RAN
 from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
 
+pytestmark = pytest.mark.usefixtures("plain_sdk_agents")  # its agents use the plain OpenAI SDK (conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 AGENT = f"{sys.executable} {REPO / 'examples' / 'openai_sql' / 'agent.py'} --question {{question}} --db {{db_path}}"
 REWARD = "spider_exec"
@@ -156,6 +158,7 @@ MAKE_PEFT_ADAPTER = """
 import sys, torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
+
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],

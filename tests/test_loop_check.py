@@ -22,6 +22,8 @@ from lightning_otel.tasks.spider import loop_check
 from lightning_otel.tasks.spider.rewards import bundled_data_dir, database_path
 from lightning_otel.tasks.spider.splits import write_rows
 
+pytestmark = pytest.mark.usefixtures("plain_sdk_agents")  # its agents use the plain OpenAI SDK (conftest.py)
+
 POINTS = [{"round": 1, "reward_mean": 0.2, "served_policy_versions": [0]},
           {"round": 2, "reward_mean": 0.3, "served_policy_versions": [1]},
           {"round": 3, "reward_mean": 0.5, "served_policy_versions": [2]},

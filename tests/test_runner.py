@@ -17,6 +17,8 @@ from lightning_otel.rollouts.environment import resource_attributes
 from lightning_otel.rollouts.runner import RolloutConfig, instrumented, load_tasks, run_rollouts
 from lightning_otel.span_store import client
 
+pytestmark = pytest.mark.usefixtures("plain_sdk_agents")  # its agents use the plain OpenAI SDK (conftest.py)
+
 # Behaviour keyed on the question, so one script covers every outcome the runner must record.
 AGENT = textwrap.dedent("""
     import argparse, sqlite3, sys, time
@@ -153,7 +155,7 @@ def test_rollout_cli(setup, db_path, capsys):
     code = main(["rollout", "--tasks", str(tasks), "--agent",
                  f"{sys.executable} {agent} --question {{question}} --db {{db_path}}", "-n", "1",
                  "--concurrency", "5", "--db", str(db_path), "--base-url", "http://127.0.0.1:9/v1",
-                 "--reward", "spider_exec", "--rollout-timeout", "45"])  # 5 instrumented starts at once on 2 cores
+                 "--reward", "spider_exec", "--rollout-timeout", "60"])  # 5 instrumented starts at once on 2 cores
     captured = capsys.readouterr()
     assert code == 0
     assert "5 rollouts: 3 ok, 1 failed, 1 timed out, 0 could not start" in captured.out

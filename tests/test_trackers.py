@@ -250,7 +250,8 @@ def test_wandb_offline_has_the_step_series_against_the_optimizer_step(reported_r
     config, out, record = reported_run
     run_id = json.loads((out / trackers.STATE_FILE).read_text())["wandb"]["id"]
     path = wandb_file(out, run_id)
-    rows = wandb_records.history(path)
+    rows = wandb_records.history_until(path, lambda rows: sum("optimizer_step" in row for row in rows) >= 3
+                                       and any("round" in row for row in rows))
     step_rows = [row for row in rows if "optimizer_step" in row]
     points = {f"train/{n}": [(row["optimizer_step"], row[f"train/{n}"]) for row in step_rows]
               for n in STEP_SERIES}
@@ -279,7 +280,9 @@ def test_a_resumed_run_continues_its_tracker_runs_and_a_new_one_starts_others(re
     client = MlflowClient(after["mlflow"]["tracking_uri"])
     history = client.get_metric_history(after["mlflow"]["run_id"], "train/entropy")
     assert [m.step for m in history] == [1, 2, 3, 4] and history[-1].value == 1.25
-    resumed = [row for row in wandb_records.history(wandb_file(out, after["wandb"]["id"])) if "optimizer_step" in row]
+    rows = wandb_records.history_until(wandb_file(out, after["wandb"]["id"]),
+                                       lambda rows: any("optimizer_step" in row for row in rows))
+    resumed = [row for row in rows if "optimizer_step" in row]
     assert [row["optimizer_step"] for row in resumed] == [4]  # this process's part of the same W&B run
 
     fresh = open_metrics(config, out, resume=False)

@@ -27,6 +27,8 @@ from lightning_otel.train.config import TrainConfig, load_config
 from lightning_otel.train.pool import round_tasks
 from lightning_otel.train.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("plain_sdk_agents")  # its agents use the plain OpenAI SDK (conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 SPIDER = REPO / "lightning_otel" / "tasks" / "spider" / "data"
 BIN = Path(sys.executable).parent
@@ -606,6 +608,7 @@ import os, subprocess, sys
 for key in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LIGHTNING_OTEL_DIST_OWNER"):
     os.environ.pop(key, None)
 from lightning_otel.train.learner import distributed_env
+
 distributed_env()
 code = ("import os; from lightning_otel.train.learner import distributed_env; distributed_env(); "
         "print(os.environ['MASTER_PORT'])")

@@ -59,6 +59,24 @@ def history(path: Path) -> list[dict]:
     return rows
 
 
+def history_until(path: Path, done, timeout_s: float = 30.0) -> list[dict]:
+    """history(path) once done(rows) holds, or as it stands after timeout_s: W&B's service process writes the
+    file itself, and on a busy machine the last rows of a finished run reached it after run.finish() returned."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            rows = history(path)
+        except Exception:  # a record half written: read again, unless time is up
+            if time.monotonic() > deadline:
+                raise
+            rows = []
+        if done(rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
 def config(path: Path) -> dict:
     """The run's config, as the run record holds it."""
     values: dict = {}
