@@ -158,7 +158,6 @@ MAKE_PEFT_ADAPTER = """
 import sys, torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
-
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],

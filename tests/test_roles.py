@@ -180,10 +180,10 @@ FORGER = textwrap.dedent("""
 
 
 @pytest.mark.heavy
+@pytest.mark.usefixtures("plain_sdk_agents")  # a faster agent start, same distro (conftest.py)
 def test_an_agent_cannot_write_or_overwrite_its_own_reward(tmp_path, monkeypatch):
     # registers the reward gold_only
     monkeypatch.setitem(packs.BUILTIN, "gold", "tests.helpers.train_rewards:GOLD_PACK")
-    monkeypatch.setenv("LIGHTNING_OTEL_INSTRUMENTATIONS", "openai")  # a faster agent start, same distro
     (tmp_path / "forger.py").write_text(FORGER)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "scored", "gold": 0.0}) + "\n" + json.dumps({"id": "unscored"}) + "\n")

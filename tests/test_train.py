@@ -608,7 +608,6 @@ import os, subprocess, sys
 for key in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LIGHTNING_OTEL_DIST_OWNER"):
     os.environ.pop(key, None)
 from lightning_otel.train.learner import distributed_env
-
 distributed_env()
 code = ("import os; from lightning_otel.train.learner import distributed_env; distributed_env(); "
         "print(os.environ['MASTER_PORT'])")
