@@ -28,7 +28,7 @@ from lightning_otel.serve.gateway import GENERATE_SPAN, Gateway, GatewayConfig
 from lightning_otel.train.async_rounds import RoundsAhead, drop_stale_groups, staleness
 from lightning_otel.train.config import TrainConfig
 from lightning_otel.train.pool import round_tasks
-from test_train import AGENT, BIN, REPO, REWARD, killed_once, spider_tasks
+from test_train import BIN, BY_KIND, ONE_CALL, REPO, kind_tasks, killed_once
 
 pytestmark = pytest.mark.usefixtures("plain_sdk_agents")  # its agents use the plain OpenAI SDK (conftest.py)
 
@@ -254,11 +254,11 @@ def test_a_k1_run_killed_while_the_next_rounds_rollouts_run_resumes(engine, tmp_
     # One run for both checks the issue asks of k=1 (a run costs minutes of CI): every round draws the tasks
     # k=0 draws, in its order, with records at most one version behind (check_async_run), and a kill while the
     # next round's rollouts run in the background resumes at the round it had not committed.
-    tasks = spider_tasks(tmp_path / "tasks.jsonl", 4)
+    tasks = kind_tasks(tmp_path / "tasks.jsonl", ["half"] * 4)  # every group varies: each round takes a step
     run = tmp_path / "run"
-    command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={AGENT}", f"reward={REWARD}",
-               "task_pack=spider", "n=2", "tasks_per_round=2", "rounds=3", "batch_size=16", "micro_batch=4",
-               "max_tokens=16", "lora_rank=8", "max_staleness=1", "tis_cap=2.0",
+    command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={ONE_CALL}", f"reward={BY_KIND}",
+               "n=2", "tasks_per_round=2", "rounds=3", "batch_size=16", "micro_batch=4",
+               "max_tokens=8", "lora_rank=8", "max_staleness=1", "tis_cap=2.0",
                f"output_dir={run}", f"engine_url={engine.url}", "seed=3", "concurrency=4"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # round 3's task file appears when its rollouts start in the background, as round 2 starts training

@@ -39,6 +39,7 @@ AGENT = f"{REPO / 'examples' / 'openai_sql' / 'agent.py'}:run"
 AGENT_COMMAND = (f"{BIN / 'opentelemetry-instrument'} {BIN / 'python'} {REPO / 'examples' / 'openai_sql' / 'agent.py'} "
                  "--question {question} --db {db_path}")
 REWARD = "tests.helpers.train_rewards:concise_sql"
+BY_KIND = "tests.helpers.train_rewards:by_kind"  # a reward fixed by each task's kind (kind_tasks)
 
 
 def spider_tasks(path: Path, count: int, db_id: str = "poker_player") -> Path:
@@ -366,10 +367,10 @@ def test_a_pool_filter_that_keeps_nothing_says_what_it_measured(engine, tmp_path
 
 
 def test_a_killed_run_resumes_from_its_last_completed_round(engine, tmp_path):
-    tasks = spider_tasks(tmp_path / "tasks.jsonl", 4)
+    tasks = kind_tasks(tmp_path / "tasks.jsonl", ["half"] * 4)  # every group varies: each round takes a step
     run = tmp_path / "run"
-    command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={AGENT}", f"reward={REWARD}",
-               "task_pack=spider", "n=2", "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4",
+    command = [str(BIN / "lightning-otel"), "train", f"tasks={tasks}", f"agent={ONE_CALL}", f"reward={BY_KIND}",
+               "n=2", "tasks_per_round=2", "rounds=2", "batch_size=4", "micro_batch=4",
                "max_tokens=16", "lora_rank=8",
                f"output_dir={run}", f"engine_url={engine.url}", "seed=3", "concurrency=4"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -464,8 +465,9 @@ def test_a_full_fine_tune_round_serves_the_new_weights_without_restarting_the_en
     engine.use_base()
     restarts = engine.restarts
     try:
-        config = small_config(tmp_path, full_finetune=True, n=2, tasks_per_round=2, batch_size=4, micro_batch=2,
-                              max_tokens=16, lr=1e-5)
+        config = small_config(tmp_path, tasks=str(kind_tasks(tmp_path / "kinds.jsonl", ["half"] * 2)),
+                              agent=ONE_CALL, reward=BY_KIND, full_finetune=True, n=2, tasks_per_round=2,
+                              batch_size=4, micro_batch=2, max_tokens=8, lr=1e-5)
         with Trainer(config, engine=engine) as trainer:
             state = trainer.run()
         saved = Path(config.output_dir) / state.last / "model"
@@ -496,8 +498,9 @@ def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_
     engine.use_base()
     base, restarts = engine.base_dir, engine.restarts
     try:
-        config = small_config(tmp_path, serve_merged=True, rounds=2, n=2, tasks_per_round=2, batch_size=4,
-                              micro_batch=2, max_tokens=16, temperature=0.7)
+        config = small_config(tmp_path, tasks=str(kind_tasks(tmp_path / "kinds.jsonl", ["half"] * 4)),
+                              agent=ONE_CALL, reward=BY_KIND, serve_merged=True, rounds=2, n=2, tasks_per_round=2,
+                              batch_size=4, micro_batch=2, max_tokens=8, temperature=0.7)
         with Trainer(config, engine=engine) as trainer:
             state = trainer.run()
         run = Path(config.output_dir)
@@ -511,8 +514,8 @@ def test_serve_merged_serves_each_lora_checkpoint_as_full_weights_and_eval_goes_
         merged = run / state.last / "merged"
 
         def evaluated(model: str, name: str) -> tuple[dict, list[int]]:
-            summary = evaluate(EvalConfig(tasks=Path(config.tasks), agent=AGENT, report=tmp_path / name, model=model,
-                                          reward=REWARD, task_pack="spider", n=1, max_tokens=8, temperature=0.0),
+            summary = evaluate(EvalConfig(tasks=Path(config.tasks), agent=ONE_CALL, report=tmp_path / name,
+                                          model=model, reward=REWARD, n=1, max_tokens=8, temperature=0.0),
                                engine=engine).summary
             versions = client.query("SELECT DISTINCT policy_version FROM generations",
                                     tmp_path / name / "traces.duckdb")["policy_version"].to_list()
