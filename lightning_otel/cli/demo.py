@@ -55,7 +55,7 @@ class DemoConfig:
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
         if self.quick:
-            self.eval_tasks, self.sft_tasks, self.sft_epochs = 2, 4, 1
+            self.eval_tasks, self.sft_tasks, self.sft_epochs = 2, 2, 1
             self.rounds, self.tasks_per_round, self.n, self.max_tokens = 1, 2, 2, 32
         for name in ("eval_tasks", "sft_tasks", "tasks_per_round", "n", "max_tokens"):
             if getattr(self, name) < 1:
