@@ -61,13 +61,13 @@ def test_plain_sft_save_writes_a_fine_tuned_model_folder_with_its_chat_template(
     from lightning_otel.serve.model import is_model_dir
 
     out, saved = tmp_path / "out", tmp_path / "model"
-    proc = run_module("benchmarks.peers.plain_sft", "--out", str(out), "--sft-tasks", "6", "--review", "2",
-                      "--batch", "8", "--micro-batch", "4", "--epochs", "1", "--eval-tasks", "3", "--no-answers",
+    proc = run_module("benchmarks.peers.plain_sft", "--out", str(out), "--sft-tasks", "3", "--review", "1",
+                      "--batch", "4", "--micro-batch", "4", "--epochs", "1", "--eval-tasks", "3", "--no-answers",
                       "--save", str(saved), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "8 examples" in proc.stdout  # 6 queries and 2 reviews
+    assert "4 examples" in proc.stdout  # 3 queries and 1 review
     report = json.loads((out / "plain_sft.json").read_text())
-    assert len(report["losses"]) == 1 and "held_out" not in report  # one step of 8; answers skipped
+    assert len(report["losses"]) == 1 and "held_out" not in report  # one step of 4; answers skipped
     assert is_model_dir(saved)
     assert json.loads((saved / "tokenizer_config.json").read_text()).get("chat_template") or \
         (saved / "chat_template.jinja").is_file()
