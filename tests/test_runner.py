@@ -47,7 +47,8 @@ def setup(tmp_path: Path):
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT)
     tasks = tmp_path / "tasks.jsonl"
-    rows = [
+    rows = [  # the hanging task first: its rollouts wait out their timeout while the others run beside them
+        {"id": "hang", "db_id": "singer", "question": "hang please", "query": "SELECT 1"},
         {"id": "count", "db_id": "singer", "question": "How many singers are there?",
          "query": "SELECT count(*) FROM singer"},
         {"id": "names", "db_id": "singer", "question": "How many names? no: list names",
@@ -55,7 +56,6 @@ def setup(tmp_path: Path):
         {"id": "wrong", "db_id": "singer", "question": "Net worth of each singer",
          "query": "SELECT Net_Worth_Millions FROM singer"},
         {"id": "crash", "db_id": "singer", "question": "crash please", "query": "SELECT 1"},
-        {"id": "hang", "db_id": "singer", "question": "hang please", "query": "SELECT 1"},
     ]
     tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return agent, tasks
