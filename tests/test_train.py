@@ -1,8 +1,9 @@
 """The trainer end to end on CPU: the bundled SmolLM2-135M under DeepSpeed, the real vLLM engine (shared
-session fixture), the real plain-OpenAI example agent under opentelemetry-instrument (as an agent function in
-the worker process; as a command in the warm-start kill test), rollouts stored in a
-real DuckDB store through a real collector. A round is 2 tasks x 4 samples with a reward that varies within
-groups (tests/helpers/train_rewards.py), so the gradient cannot be zero."""
+session fixture), rollouts stored in a real DuckDB store through a real collector. The agents run in the worker
+process under opentelemetry-instrument: mostly a one-call agent (tests/helpers/inprocess_agents.py) on tasks whose
+reward is fixed by their kind (tests/helpers/train_rewards.py), so every group varies and the gradient cannot be
+zero. The real plain-OpenAI example agent (three calls with prompts of ~700 tokens: minutes of training on 2
+cores) runs as a command in the warm-start kill test; it trains as an agent function in the demo's test."""
 from __future__ import annotations
 
 import gc
@@ -430,7 +431,7 @@ def test_a_warm_start_killed_twice_walks_and_trains_only_what_it_had_not_saved(e
     run = tmp_path / "run"
     walked, trained = run / "rounds" / "sft" / "walked.jsonl", run / "rounds" / "sft" / "trained.json"
     command = [str(BIN / "lightning-otel"), "train", f"agent={AGENT_COMMAND}", f"sft_tasks={sft}", "sft_save_tasks=2",
-               "sft_save_steps=2", "sft_epochs=3", "rounds=0", "batch_size=2", "micro_batch=2", "max_tokens=16",
+               "sft_save_steps=2", "sft_epochs=2", "rounds=0", "batch_size=2", "micro_batch=2", "max_tokens=16",
                "lora_rank=8", f"output_dir={run}", f"engine_url={engine.url}", "concurrency=2", "task_pack=spider"]
     # 1. killed while walking the labelled tasks, after the first stretch of 2 was saved
     killed_once(command, walked)
@@ -440,17 +441,17 @@ def test_a_warm_start_killed_twice_walks_and_trains_only_what_it_had_not_saved(e
     rows = [json.loads(line) for line in sft.read_text().splitlines()]
     next(r for r in rows if r["id"] == changed)["question"] += " List them."
     sft.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # 2. killed while training (9 steps: 3 epochs of 6 demonstrations in steps of 2), after a saved state
+    # 2. killed while training (6 steps: 2 epochs of 6 demonstrations in steps of 2), after a saved state
     killed_once(command, trained)
     steps_saved = json.loads(trained.read_text())["steps"]
-    assert steps_saved in (2, 4, 6, 8)
+    assert steps_saved in (2, 4)
     # 3. to the end
     third = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-3000:]
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["phase"] == "sft" and record["sft_examples"] == 6 and math.isfinite(record["loss"])
     assert record["sft_walked_earlier"] == 6 and record["sft_resumed_at_step"] == steps_saved  # walked nothing
-    assert record["steps"] == 9 - steps_saved and record["optimizer_steps_total"] == 9  # the optimizer state came back
+    assert record["steps"] == 6 - steps_saved and record["optimizer_steps_total"] == 6  # the optimizer state came back
     final = {e["task_id"]: e["rollout_id"] for e in map(json.loads, walked.read_text().splitlines())}
     assert list(final) == [r["id"] for r in rows]  # every task once, in the file's order
     kept = {e["task_id"]: e["rollout_id"] for e in saved[1:]}
