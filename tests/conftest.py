@@ -76,7 +76,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.xdist_group("engine"))
     # The floors and sanitizer runs (test_floors_and_sanitizer.py) last: in one process after everything else, as
     # `make test` ran them before they joined the suite; under pytest-xdist the worker without the engine tests
-    # takes them when done with the rest, while the engine tests still run in the other.
+    # takes the floors run when done with the rest, and the sanitizer run (in the engine tests' group) ends the
+    # engine tests' worker.
     items[:] = sorted(items, key=lambda item: item.get_closest_marker("runs_last") is not None)
 
 

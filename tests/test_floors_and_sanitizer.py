@@ -1,8 +1,8 @@
 """`make test-floors` and `make test-asan` as two tests of the suite, run last (conftest.py moves `runs_last`
-tests to the end of the collection). Under `make test`'s two pytest-xdist workers the engine tests keep one
-worker busy to the end, so the other worker, done with the rest, runs these two beside them instead of after
-the suite. Each is a pytest run of its own, in its own environment: the core at its dependency floors
-(.venv-floors), and the C decoder's tests on an AddressSanitizer/UBSan build of it."""
+tests to the end of the collection). Under `make test`'s two pytest-xdist workers the floors run ends the
+worker without the engine tests, the sanitizer run the engine tests' worker (it joins their group), so both run
+beside other tests instead of after the suite. Each is a pytest run of its own, in its own environment: the core
+at its dependency floors (.venv-floors), and the C decoder's tests on an AddressSanitizer/UBSan build of it."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,13 @@ def make(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=1800)
 
 
-@pytest.mark.parametrize("target", ["test-floors", "test-asan"])
+@pytest.mark.parametrize("target", [
+    "test-floors",
+    # In the engine tests' group, as its last test (runs_last), so that under two workers each worker ends with
+    # one of the two runs: both went to the other worker, which ran them one after the other for 4.5 minutes
+    # while the engine tests' worker sat done (2-core AVX2 suite, 2026-12-07).
+    pytest.param("test-asan", marks=pytest.mark.xdist_group("engine")),
+])
 def test_the_floors_and_the_sanitizer_build_pass(target):
     # The environments come first (`make test` builds them all before pytest starts): a sub-make that rebuilt
     # .venv here would reinstall packages under the suite that is running from it.

@@ -1,6 +1,6 @@
 """The suite's own scheduling: under pytest-xdist (`make test`, two workers, --dist loadgroup) every test that uses
-the shared engine runs in one worker, so the session starts one vLLM engine, not one per worker, and the tests
-marked runs_last (the floors and sanitizer runs) run in the other worker beside them; a test that starts an
+the shared engine runs in one worker, so the session starts one vLLM engine, not one per worker, and a test
+marked runs_last (the floors run) runs in the other worker beside them; a test that starts an
 engine of its own (own_engine) is in no group; and what the tests start has OpenMP threads that sleep while they
 wait. The grouping
 rests on conftest.py's hook and on pytest-xdist renaming node ids, which some pytest releases ignore (9.2 with
