@@ -41,6 +41,11 @@ def group_members(group: int) -> list[int]:
     return list(group_parents(group))
 
 
+def a_worker_started(parents: dict[int, int], group: int) -> bool:
+    """The engine core (the server's child) has started its worker (the core's child)."""
+    return any(parent in parents and parent != group for parent in parents.values())
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("how", ["SIGKILL to the owner", "SIGTERM to the owner's process group"])
 def test_a_killed_owner_takes_the_engine_core_and_workers_with_it(how):
@@ -50,14 +55,10 @@ def test_a_killed_owner_takes_the_engine_core_and_workers_with_it(how):
                              start_new_session=True)
     try:
         group = int(owner.stdout.readline())
-        # the engine core (the server's child) has started its worker (the core's child)
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            parents = group_parents(group)
-            if any(parent in parents and parent != group for parent in parents.values()):
-                break
+        while not a_worker_started(parents := group_parents(group), group) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert any(parent in parents and parent != group for parent in parents.values()), \
+        assert a_worker_started(parents, group), \
             f"expected the API server, its engine core and the core's worker in group {group}: {parents}"
     finally:
         if how.startswith("SIGKILL"):

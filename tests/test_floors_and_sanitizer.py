@@ -27,23 +27,22 @@ def make(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=1800)
 
 
-@pytest.mark.parametrize("target", [
-    "test-floors",
+@pytest.mark.parametrize("target,variables", [
+    pytest.param("test-floors", (), id="test-floors"),
     # In the engine tests' group, as its last test (runs_last), so that under two workers each worker ends with
     # one of the two runs: both went to the other worker, which ran them one after the other for 4.5 minutes
-    # while the engine tests' worker sat done (2-core AVX2 suite, 2026-12-07).
-    pytest.param("test-asan", marks=pytest.mark.xdist_group("engine")),
+    # while the engine tests' worker sat done (2-core AVX2 suite, 2026-12-07). FUZZ_SCALE=1: as many examples per
+    # property test as the suite's own run of them (new ones: Hypothesis draws afresh each run); `make test-asan`
+    # alone draws FUZZ_SCALE=2 times as many, about 100 s more of the 2-core suite's time.
+    pytest.param("test-asan", ("FUZZ_SCALE=1",), id="test-asan", marks=pytest.mark.xdist_group("engine")),
 ])
-def test_the_floors_and_the_sanitizer_build_pass(target):
+def test_the_floors_and_the_sanitizer_build_pass(target, variables):
     # The environments come first (`make test` builds them all before pytest starts): a sub-make that rebuilt
     # .venv here would reinstall packages under the suite that is running from it.
     built = make("-q", "floors", "setup")
     assert built.returncode == 0, ("the project's venv or .venv-floors is missing or older than pyproject.toml: "
                                    "run `make prepare` (or `make test`, which does) before this test")
-    # The sanitizer run in the suite draws as many examples per property test as the suite's own run of them
-    # (FUZZ_SCALE=1, new ones: Hypothesis draws afresh each run); `make test-asan` alone draws FUZZ_SCALE=2 times
-    # as many. At 2 it took about 100 s more of the 2-core suite's time.
-    result = make(target, *(["FUZZ_SCALE=1"] if target == "test-asan" else []))
+    result = make(target, *variables)
     # the tail holds pytest's summary and, for test-asan, the sanitizer's report; its seed is on the first lines
     out = result.stdout + result.stderr
     assert result.returncode == 0, f"make {target} failed:\n{out[:600]}\n...\n{out[-6000:]}"

@@ -43,9 +43,10 @@ REWARD = "tests.helpers.train_rewards:concise_sql"
 BY_KIND = "tests.helpers.train_rewards:by_kind"  # a reward fixed by each task's kind (kind_tasks)
 
 
-def spider_tasks(path: Path, count: int, db_id: str = "poker_player") -> Path:
+def spider_tasks(path: Path, count: int, db_id: str = "poker_player", **fields) -> Path:
+    """The first `count` bundled dev questions on `db_id`, with `fields` added to each."""
     rows = [json.loads(line) for line in (SPIDER / "dev.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["db_id"] == db_id][:count]
+    rows = [{**r, **fields} for r in rows if r["db_id"] == db_id][:count]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -182,12 +183,10 @@ def test_sft_labels_that_do_not_fit_the_labelled_tasks_fail_before_the_engine_st
 def trained(engine, tmp_path_factory):
     """SFT warm start on 2 labelled tasks, then one GRPO round of 2 tasks x 4 samples, in steps of 4. The one-call
     agent on Spider questions whose reward is fixed by their kind (half: every group varies); the three-call SQL
-    example trains in the warm-start kill, adapter and demo tests (its prompts of ~700 tokens made this 214 s of
-    the 2-core suite)."""
+    example trains in the warm-start kill and demo tests (its prompts of ~700 tokens made this 214 s of the 2-core
+    suite)."""
     tmp_path = tmp_path_factory.mktemp("train")
-    tasks = spider_tasks(tmp_path / "halves.jsonl", 4)
-    rows = [json.loads(line) for line in tasks.read_text().splitlines()]
-    tasks.write_text("".join(json.dumps({**row, "kind": "half"}) + "\n" for row in rows))
+    tasks = spider_tasks(tmp_path / "halves.jsonl", 4, kind="half")
     config = small_config(tmp_path, tasks=str(tasks), agent=ONE_CALL, reward=BY_KIND, max_tokens=8,
                           sft_tasks=str(spider_tasks(tmp_path / "sft.jsonl", 2, "singer")), tasks_per_round=2,
                           batch_size=4)
