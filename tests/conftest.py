@@ -83,15 +83,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """LIGHTNING_TEST_TIMINGS=file: one line per test (worker, start, seconds, node id) appended to that file,
-    to see which pytest-xdist worker paces `make test` (--durations names no worker and keeps 30 tests)."""
+    """LIGHTNING_TEST_TIMINGS=file: one line per test (worker, start, seconds, node id, CPU seconds) appended to
+    that file, to see which pytest-xdist worker paces `make test` (--durations names no worker and keeps 30
+    tests). The CPU seconds are the worker's own and those of the child processes it waited for during the test
+    (not the shared engine's): a test whose seconds far exceed them mostly waits."""
     path = os.environ.get("LIGHTNING_TEST_TIMINGS")
-    start = time.time()
+    start, cpu = time.time(), sum(os.times()[:4])
     yield
     if path:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(path, "a") as out:
-            out.write(f"{worker}\t{start:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\n")
+            out.write(f"{worker}\t{start:.1f}\t{time.time() - start:.1f}\t{item.nodeid}\t"
+                      f"{sum(os.times()[:4]) - cpu:.1f}\n")
 
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -202,6 +205,14 @@ def collector_process(db_path: Path):
 def health(url: str) -> dict:
     with urllib.request.urlopen(url + "/health", timeout=10) as resp:
         return json.loads(resp.read())
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory) -> Path:
+    """lightning-otel as a user installs it (tests/helpers/wheel.py), built once for the session: the wheel is
+    `wheel_venv.parent / "src" / "dist"`'s. The tests that use it share an xdist group, so one worker builds it."""
+    from tests.helpers.wheel import installed_from_wheel
+    return installed_from_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture(scope="session")

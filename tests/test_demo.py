@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.wheel import installed_from_wheel
-
-pytestmark = [pytest.mark.needs_engine, pytest.mark.own_engine, pytest.mark.heavy]  # it starts its own vLLM engine
+pytestmark = [pytest.mark.needs_engine, pytest.mark.own_engine, pytest.mark.heavy,  # it starts its own vLLM engine
+              pytest.mark.xdist_group("wheel")]  # test_packaging.py installs the same wheel (conftest.py: wheel_venv)
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_quick_demo_runs_from_an_installed_wheel_outside_the_clone(tmp_path):
-    venv = installed_from_wheel(tmp_path)
+def test_quick_demo_runs_from_an_installed_wheel_outside_the_clone(wheel_venv, tmp_path):
+    venv = wheel_venv
     where = subprocess.run([str(venv / "bin" / "python"), "-c",
                             "import lightning_otel; print(lightning_otel.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout

@@ -7,16 +7,14 @@ import zipfile
 
 import pytest
 
-from tests.helpers.wheel import installed_from_wheel
-
 
 @pytest.mark.heavy
-def test_the_wheel_installs_runs_and_declares_both_licenses(tmp_path):
-    venv = installed_from_wheel(tmp_path)
-    result = subprocess.run([str(venv / "bin" / "lightning-otel"), "--help"], capture_output=True, text=True,
+@pytest.mark.xdist_group("wheel")  # the demo's test installs the same wheel (conftest.py: wheel_venv)
+def test_the_wheel_installs_runs_and_declares_both_licenses(wheel_venv, tmp_path):
+    result = subprocess.run([str(wheel_venv / "bin" / "lightning-otel"), "--help"], capture_output=True, text=True,
                             timeout=120, cwd=tmp_path)
     assert result.returncode == 0 and "usage: lightning-otel" in result.stdout, result.stderr[-2000:]
-    (wheel,) = (tmp_path / "src" / "dist").glob("lightning_otel-*.whl")
+    (wheel,) = (wheel_venv.parent / "src" / "dist").glob("lightning_otel-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
