@@ -27,7 +27,7 @@ TEST_FAST_WORKERS ?= 2
 xdist = $(if $(filter-out 1,$(1)),-n $(1) --dist loadgroup,)
 # pip compiles what it installs to bytecode (much of `make prepare`'s CPU time), and that stays: with
 # --no-compile a machine that sets PYTHONDONTWRITEBYTECODE=1 (as many container images do, this project's too)
-# compiled every module again in every process, and the suite ran about 40% slower.
+# compiled every module again in every process, and the suite ran about 37% slower.
 PIP_QUIET := --quiet --disable-pip-version-check
 # The project's dependencies and those of one extra, one requirement a line, as pyproject.toml declares them.
 requirements = $(PYTHON) -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \

@@ -39,6 +39,7 @@ from dataclasses import asdict
 from http import HTTPStatus
 from typing import Any
 
+import duckdb
 import orjson
 import pyarrow as pa
 from google.rpc import status_pb2
@@ -151,7 +152,13 @@ class Collector:
         try:
             self.con.execute("CHECKPOINT")
         finally:
-            self.con.close()
+            try:
+                self.con.close()
+            except duckdb.ResourceInUseException:
+                # A query thread was still inside a call on one of the connection's cursors (a query held by a
+                # client that reads slowly): each ends within its query and send timeouts; close after them.
+                self.query_threads.shutdown(wait=True)
+                self.con.close()
             discovery.remove_info(self.db, os.getpid())
 
     # ---- request handling (called from handler threads) --------------------------------------------
