@@ -155,7 +155,8 @@ def test_rollout_cli(setup, db_path, capsys, tmp_path):
     # Without the hanging task: it would hold the test for its whole timeout, and the runner's timeouts are
     # test_every_rollout_is_recorded_and_scored's; this test is the command's flags and its summary line.
     quick = tmp_path / "quick.jsonl"
-    quick.write_text("".join(line + "\n" for line in tasks.read_text().splitlines() if '"hang"' not in line))
+    rows = [json.loads(line) for line in tasks.read_text().splitlines()]
+    quick.write_text("".join(json.dumps(r) + "\n" for r in rows if r["id"] != "hang"))
     code = main(["rollout", "--tasks", str(quick), "--agent",
                  f"{sys.executable} {agent} --question {{question}} --db {{db_path}}", "-n", "1",
                  "--concurrency", "4", "--db", str(db_path), "--base-url", "http://127.0.0.1:9/v1",
